@@ -1,0 +1,84 @@
+"""
+### dflash_generate
+
+Regenerate every completion of a prompt set with the target reasoning model on a fleet of SGLang
+servers (one per GPU), writing drafter training data to S3.
+
+`plan` checks the prompt file and splits it into chunks → `preflight` checks every server →
+`generate` (one mapped task per server; chunks move to whichever server has free slots) →
+`validate_and_count` checks that every prompt is present exactly once and counts tokens.
+
+Rerunning into the same `output_uri` only does what is missing. Outputs and their layout are
+described in the project's README.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
+
+from dflash_pipeline.config import PARAM_SCHEMAS
+
+# Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
+PARAMS = {
+    name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
+    if "default" in schema
+    else Param(**schema)
+    for name, schema in PARAM_SCHEMAS.items()
+}
+
+
+@dag(
+    dag_id="dflash_generate",
+    schedule=None,
+    catchup=False,
+    params=PARAMS,
+    tags=["dflash", "sglang", "training-data"],
+    doc_md=__doc__,
+    max_active_runs=4,
+    default_args={
+        "retries": 2,
+        "retry_delay": timedelta(seconds=30),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=10),
+    },
+)
+def dflash_generate() -> None:
+    @task
+    def plan() -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        ctx = get_current_context()
+        return tasks.plan(ctx["params"], ctx["run_id"])
+
+    @task
+    def preflight(plan_info: dict[str, Any]) -> list[dict[str, Any]]:
+        from dflash_pipeline import tasks
+
+        ctx = get_current_context()
+        return tasks.preflight(ctx["params"], ctx["run_id"])
+
+    @task(retries=3, retry_delay=timedelta(seconds=20))
+    def generate(server: dict[str, Any]) -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        ctx = get_current_context()
+        ti = ctx["ti"]
+        return tasks.generate(ctx["params"], ctx["run_id"], server, ti.map_index, ti.try_number)
+
+    @task(trigger_rule=TriggerRule.ALL_DONE, retries=1)
+    def validate_and_count() -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        ctx = get_current_context()
+        return tasks.validate(ctx["params"])
+
+    servers = preflight(plan())
+    # ALL_DONE: a server lost for good fails its own task, but the others finished its work, so the
+    # dataset is judged on its contents. Validation fails if anything is missing.
+    generate.expand(server=servers) >> validate_and_count()
+
+
+dflash_generate()

@@ -1,0 +1,312 @@
+"""The run's configuration: the DAG params' JSON schemas and the typed config built from them.
+
+The schemas live here (not in the DAG file) so the UI form, the CLI and the unit tests all read the
+same bounds and descriptions. Airflow validates the schemas when a run is triggered; `RunConfig`
+adds the checks JSON schema cannot express (URIs, unknown keys) and is what the tasks use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflash_pipeline.layout import UriError, parse_s3_uri
+
+SECTION_DATA = "Data"
+SECTION_SERVERS = "Servers"
+SECTION_SAMPLING = "Sampling"
+SECTION_RUN = "Run control"
+
+# name -> JSON schema (with Airflow's extra keys "description" and "section").
+PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "prompts_uri": {
+        "type": "string",
+        "pattern": "^s3://[^/]+/.+",
+        "description": "s3://bucket/key of the prompt set: JSONL, .jsonl.gz or Parquet. A row has "
+        "`messages` (OpenAI chat list) or `prompt` (a string), and optionally `id`.",
+        "section": SECTION_DATA,
+    },
+    "output_uri": {
+        "type": "string",
+        "pattern": "^s3://[^/]+/.+",
+        "description": "s3://bucket/prefix, the dataset root. It is the resume key: a rerun into the "
+        "same root continues where the last run stopped and never regenerates saved rows.",
+        "section": SECTION_DATA,
+    },
+    "limit": {
+        "type": ["null", "integer"],
+        "default": None,
+        "minimum": 1,
+        "description": "Only the first N prompts (after dropping rejects and duplicates). Null = all. "
+        "Pinned in the manifest: a dataset root keeps the limit it was planned with.",
+        "section": SECTION_DATA,
+    },
+    "max_rejects": {
+        "type": "integer",
+        "default": 0,
+        "minimum": 0,
+        "description": "How many bad prompt rows plan may drop (written to rejects/ with the reason) "
+        "before it fails. 0 = any bad row fails the run before a request is sent.",
+        "section": SECTION_DATA,
+    },
+    "accept_pin_changes": {
+        "type": "boolean",
+        "default": False,
+        "description": "Continue a dataset root whose pinned model or sampling differ from this run's. "
+        "Rows already saved keep their settings; the manifest records the change. The input file and "
+        "limit can never change under a root.",
+        "section": SECTION_DATA,
+    },
+    "aws_conn_id": {
+        "type": "string",
+        "default": "aws_default",
+        "minLength": 1,
+        "description": "Airflow connection id (type aws) for the S3 store of prompts and outputs.",
+        "section": SECTION_DATA,
+    },
+    "servers": {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 1024,
+        "uniqueItems": True,
+        "items": {"type": "string", "minLength": 1},
+        "description": "SGLang servers, one per GPU: a base URL (http://host:30000) or an Airflow "
+        "connection id (host, port; the API key in the password field). One mapped generate task "
+        "drives each server.",
+        "section": SECTION_SERVERS,
+    },
+    "model": {
+        "type": ["null", "string"],
+        "default": None,
+        "description": "The served model every server must report (served_model_name or model_path). "
+        "Null = take it from the servers, which must then all agree.",
+        "section": SECTION_SERVERS,
+    },
+    "concurrency_per_server": {
+        "type": ["null", "integer"],
+        "default": None,
+        "minimum": 1,
+        "maximum": 4096,
+        "description": "Requests in flight per server. Null = derived from the server's "
+        "max_running_requests plus a little headroom, so slots never wait for the client and "
+        "requests do not queue long enough to eat into request_timeout_s.",
+        "section": SECTION_SERVERS,
+    },
+    "request_timeout_s": {
+        "type": "number",
+        "default": 300,
+        "exclusiveMinimum": 0,
+        "maximum": 86400,
+        "description": "Seconds one generation request may take before it is retried.",
+        "section": SECTION_SERVERS,
+    },
+    "max_tokens": {
+        "type": "integer",
+        "default": 4096,
+        "minimum": 1,
+        "maximum": 1048576,
+        "description": "Output token budget per completion, thinking included. Thinking models need "
+        "thousands: with 512 the thinking eats everything and no answer is produced.",
+        "section": SECTION_SAMPLING,
+    },
+    "temperature": {
+        "type": "number",
+        "default": 0.6,
+        "minimum": 0,
+        "maximum": 2,
+        "description": "Sampling temperature (Qwen3 thinking mode recommends 0.6).",
+        "section": SECTION_SAMPLING,
+    },
+    "top_p": {
+        "type": "number",
+        "default": 0.95,
+        "exclusiveMinimum": 0,
+        "maximum": 1,
+        "description": "Nucleus sampling (Qwen3 thinking mode recommends 0.95).",
+        "section": SECTION_SAMPLING,
+    },
+    "enable_thinking": {
+        "type": "boolean",
+        "default": True,
+        "description": "Sent as chat_template_kwargs.enable_thinking.",
+        "section": SECTION_SAMPLING,
+    },
+    "seed": {
+        "type": ["null", "integer"],
+        "default": None,
+        "minimum": 0,
+        "description": "If set, each request carries a seed derived from this and the prompt id, so a "
+        "regenerated row samples the same way. Null = no seed.",
+        "section": SECTION_SAMPLING,
+    },
+    "save_every": {
+        "type": "integer",
+        "default": 500,
+        "minimum": 1,
+        "maximum": 100000,
+        "description": "Completions per part written to S3. A killed task loses at most the parts it "
+        "had not yet written.",
+        "section": SECTION_RUN,
+    },
+    "max_attempts": {
+        "type": "integer",
+        "default": 5,
+        "minimum": 1,
+        "maximum": 50,
+        "description": "Tries per request for transient failures (connection errors, timeouts, 5xx, "
+        "503), with exponential backoff and jitter. Context-length errors are never retried.",
+        "section": SECTION_RUN,
+    },
+    "server_lost_after_s": {
+        "type": "number",
+        "default": 120,
+        "minimum": 1,
+        "maximum": 86400,
+        "description": "A server that answers nothing for this long is declared lost: its unfinished "
+        "work is released to the other servers and its task fails (Airflow retries it later).",
+        "section": SECTION_RUN,
+    },
+    "claim_lease_s": {
+        "type": "number",
+        "default": 180,
+        "minimum": 5,
+        "maximum": 86400,
+        "description": "How long a chunk claimed by a task that stopped renewing it stays locked "
+        "before another server's task may take it over.",
+        "section": SECTION_RUN,
+    },
+}
+
+REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
+
+
+class ConfigError(ValueError):
+    """The run's configuration is wrong: retrying cannot fix it."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What makes two completions comparable; pinned in the manifest."""
+
+    max_tokens: int = 4096
+    temperature: float = 0.6
+    top_p: float = 0.95
+    enable_thinking: bool = True
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    prompts_uri: str
+    output_uri: str
+    servers: tuple[str, ...]
+    model: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    concurrency_per_server: int | None = None
+    save_every: int = 500
+    request_timeout_s: float = 300.0
+    limit: int | None = None
+    max_rejects: int = 0
+    accept_pin_changes: bool = False
+    aws_conn_id: str = "aws_default"
+    max_attempts: int = 5
+    server_lost_after_s: float = 120.0
+    claim_lease_s: float = 180.0
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "RunConfig":
+        """Build from the DAG params (already schema-checked by Airflow) and check what it can't."""
+        params = dict(params)
+        unknown = sorted(set(params) - set(PARAM_SCHEMAS))
+        if unknown:
+            raise ConfigError(
+                f"unknown conf key(s) {unknown}; valid keys are {sorted(PARAM_SCHEMAS)}"
+            )
+        missing = [k for k in REQUIRED_PARAMS if params.get(k) in (None, "", [])]
+        if missing:
+            raise ConfigError(f"required param(s) missing: {missing}")
+        for name, value in params.items():
+            _check_schema(name, value, PARAM_SCHEMAS[name])
+        try:
+            prompts = parse_s3_uri(params["prompts_uri"], what="prompts_uri")
+            out = parse_s3_uri(params["output_uri"], what="output_uri")
+        except UriError as exc:
+            raise ConfigError(str(exc)) from exc
+        if prompts.bucket == out.bucket and (
+            prompts.key == out.key or prompts.key.startswith(out.key + "/")
+        ):
+            raise ConfigError("prompts_uri must not lie inside output_uri (the dataset root)")
+
+        def get(name: str) -> Any:
+            return params.get(name, PARAM_SCHEMAS[name].get("default"))
+
+        sampling = Sampling(
+            max_tokens=int(get("max_tokens")),
+            temperature=float(get("temperature")),
+            top_p=float(get("top_p")),
+            enable_thinking=bool(get("enable_thinking")),
+            seed=None if get("seed") is None else int(get("seed")),
+        )
+        return cls(
+            prompts_uri=params["prompts_uri"],
+            output_uri=f"s3://{out.bucket}/{out.key}",
+            servers=tuple(params["servers"]),
+            model=get("model"),
+            sampling=sampling,
+            concurrency_per_server=get("concurrency_per_server"),
+            save_every=int(get("save_every")),
+            request_timeout_s=float(get("request_timeout_s")),
+            limit=get("limit"),
+            max_rejects=int(get("max_rejects")),
+            accept_pin_changes=bool(get("accept_pin_changes")),
+            aws_conn_id=get("aws_conn_id"),
+            max_attempts=int(get("max_attempts")),
+            server_lost_after_s=float(get("server_lost_after_s")),
+            claim_lease_s=float(get("claim_lease_s")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["servers"] = list(self.servers)
+        return data
+
+
+def _check_schema(name: str, value: Any, schema: dict[str, Any]) -> None:
+    """A small JSON-schema subset check, so library callers (not only Airflow) get the same bounds."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    py_ok = {
+        "null": lambda v: v is None,
+        "string": lambda v: isinstance(v, str),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "array": lambda v: isinstance(v, (list, tuple)),
+    }
+    if types and not any(py_ok[t](value) for t in types):
+        raise ConfigError(f"param {name}: {value!r} is not of type {' or '.join(types)}")
+    if value is None:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"param {name}: {value!r} is not a finite number")
+        if "minimum" in schema and value < schema["minimum"]:
+            raise ConfigError(f"param {name}: {value} is less than the minimum of {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            raise ConfigError(f"param {name}: {value} is more than the maximum of {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            raise ConfigError(f"param {name}: {value} must be more than {schema['exclusiveMinimum']}")
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        raise ConfigError(f"param {name}: must not be empty")
+    if isinstance(value, (list, tuple)):
+        if len(value) < schema.get("minItems", 0):
+            raise ConfigError(f"param {name}: needs at least {schema['minItems']} item(s)")
+        if len(value) > schema.get("maxItems", 1 << 30):
+            raise ConfigError(f"param {name}: at most {schema['maxItems']} items")
+        if schema.get("uniqueItems") and len(set(value)) != len(value):
+            raise ConfigError(f"param {name}: items must be unique")
+        item_schema = schema.get("items")
+        if item_schema:
+            for item in value:
+                _check_schema(f"{name}[]", item, item_schema)

@@ -1,0 +1,611 @@
+"""The generate step: one worker drives one SGLang server and shares the chunks with the others.
+
+Dispatch. `concurrency` daemon threads each hold one request; the moment one returns, the main loop
+hands it the next prompt, so the server's slots never wait for a batch to gather. Chunks are claimed
+ahead of need (whenever fewer than `concurrency` prompts are ready), so there is no barrier between
+chunks either, and a finished chunk is committed by a background thread while generation goes on.
+
+Sharing. Work is not bound to a server. Each chunk is claimed with a conditional create of
+`claims/chunk-N.json` (If-None-Match: *), renewed every lease/4 with If-Match, and taken over by any
+worker once the lease expires (judged by the S3 server's clock, so hosts' clocks do not matter) or
+at once by the same map index in a later try. A worker whose server is lost deletes its claims so the
+others pick the work up immediately.
+
+Exactly once. A chunk's output is one Parquet part written with If-None-Match: *. If two workers ever
+finish the same chunk (a stalled worker whose lease was taken over), the second commit is refused and
+its rows are discarded; no id can appear twice. A killed worker loses only the chunks it had not yet
+committed; everything committed is skipped by every later try and run.
+
+Memory is bounded by the open chunks (at most about `concurrency + save_every` prompts and their
+results), never by the size of the prompt set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_pipeline.config import Sampling
+from dflash_pipeline.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.records import decode_inputs, encode_part
+from dflash_pipeline.sglang import (
+    RequestFailure,
+    ServerSpec,
+    build_chat_body,
+    chat_once,
+    check_health,
+    new_session,
+)
+from dflash_pipeline.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
+
+logger = logging.getLogger(__name__)
+
+
+class ServerLost(Exception):
+    """The server stopped answering for good; its work was released. Airflow may retry later."""
+
+
+class ServerConfigError(Exception):
+    """The server refuses us (API key, endpoint, model): a retry cannot fix it."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    run_id: str
+    worker: str
+    server: ServerSpec
+    model: str
+    sampling: Sampling
+    concurrency: int
+    request_timeout_s: float = 300.0
+    max_attempts: int = 5
+    server_lost_after_s: float = 120.0
+    lease_s: float = 180.0
+    backoff_base_s: float = 1.0
+    backoff_cap_s: float = 30.0
+    poll_s: float = 1.0
+    progress_every_s: float = 30.0
+    store_deadline_s: float = 600.0
+    try_number: int = 1
+
+    @property
+    def owner(self) -> str:
+        return f"{self.run_id}#{self.worker}"
+
+
+@dataclass
+class OpenChunk:
+    index: int
+    claim_etag: str
+    prompts: list[dict[str, Any]]
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lost: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.prompts)
+
+
+@dataclass
+class _Outcome:
+    chunk: OpenChunk
+    prompt: dict[str, Any]
+    row: dict[str, Any] | None = None
+    failure: RequestFailure | None = None
+    first_failure_t: float | None = None
+    attempts: int = 0
+
+
+@dataclass
+class WorkerStats:
+    completions: int = 0
+    errors: int = 0
+    errors_by_class: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0
+    chunks_committed: int = 0
+    chunks_taken_over: int = 0
+    chunks_lost_to_others: int = 0
+    commits_refused: int = 0
+    rows_discarded: int = 0
+    requests_sent: int = 0
+    requests_requeued: int = 0
+    started_t: float = field(default_factory=time.monotonic)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["elapsed_s"] = round(time.monotonic() - d.pop("started_t"), 3)
+        return d
+
+
+class _RequestPool:
+    """`n` daemon threads, each with its own keep-alive session, running one request at a time.
+
+    Daemon threads (not a ThreadPoolExecutor) so a task that gives up on a dead server is not kept
+    alive by requests still waiting for their timeout.
+    """
+
+    def __init__(self, n: int, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
+        self._in: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads = []
+        for i in range(n):
+            t = threading.Thread(target=self._loop, args=(fn, session_factory), name=f"req-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _loop(self, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
+        session = session_factory()
+        while not self._stop.is_set():
+            item = self._in.get()
+            if item is None:
+                return
+            try:
+                self.out.put(fn(session, item))
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the main loop
+                self.out.put(exc)
+
+    def submit(self, item: Any) -> None:
+        self._in.put(item)
+
+    def close(self) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._in.put(None)
+
+
+class Worker:
+    """Drives one server until every chunk of the dataset is committed (by anyone)."""
+
+    def __init__(
+        self,
+        store: Store,
+        layout: DatasetLayout,
+        manifest: dict[str, Any],
+        settings: WorkerSettings,
+        session_factory: Callable[[], Any] = new_session,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.settings = settings
+        self.sizes: list[int] = list(manifest["chunks"]["sizes"])
+        self.plan_id: str = manifest["plan_id"]
+        self.n_chunks = len(self.sizes)
+        self.session_factory = session_factory
+        self.on_progress = on_progress
+        self.stats = WorkerStats()
+        self.open: dict[int, OpenChunk] = {}
+        self._open_lock = threading.Lock()
+        self.pending: deque[tuple[OpenChunk, dict[str, Any]]] = deque()
+        self.in_flight = 0
+        self._commit_q: queue.Queue[OpenChunk | None] = queue.Queue()
+        self._commit_error: BaseException | None = None
+        self._committing = 0
+        self._committing_lock = threading.Lock()
+        self._last_success_t = 0.0
+        self._suspect_since: float | None = None
+        self._last_scan_t = -1e9
+        self._nothing_claimable = False
+        self._own_stale: set[int] | None = None
+        self._done_cache: set[int] = set()
+        self._tok_window: deque[tuple[float, int]] = deque()
+
+    # -- request thread ----------------------------------------------------------------------
+    def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
+        chunk, prompt = item
+        s = self.settings
+        body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
+        out = _Outcome(chunk, prompt)
+        for attempt in range(1, s.max_attempts + 1):
+            out.attempts = attempt
+            if chunk.lost:
+                return out
+            try:
+                completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
+            except RequestFailure as exc:
+                out.failure = exc
+                if out.first_failure_t is None:
+                    out.first_failure_t = time.monotonic()
+                if not exc.transient or attempt == s.max_attempts:
+                    return out
+                delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                time.sleep(delay)
+                continue
+            out.failure = None
+            out.row = {
+                "id": prompt["id"],
+                "messages": prompt["messages"],
+                "reasoning": completion.reasoning,
+                "content": completion.content,
+                "finish_reason": completion.finish_reason,
+                "matched_stop": completion.matched_stop,
+                "prompt_tokens": completion.prompt_tokens,
+                "completion_tokens": completion.completion_tokens,
+                "reasoning_tokens": completion.reasoning_tokens,
+                "model": completion.model or s.model,
+                "server": s.server.name,
+                "attempts": attempt,
+                "latency_s": round(latency, 4),
+                "chunk": chunk.index,
+                "run_id": s.run_id,
+            }
+            return out
+        return out
+
+    def _error_row(self, out: _Outcome) -> dict[str, Any]:
+        f = out.failure
+        assert f is not None
+        return {
+            "id": out.prompt["id"],
+            "messages": out.prompt["messages"],
+            "model": self.settings.model,
+            "server": self.settings.server.name,
+            "attempts": out.attempts,
+            "error_class": f.error_class,
+            "error_message": f.message,
+            "retryable": f.transient,
+            "chunk": out.chunk.index,
+            "run_id": self.settings.run_id,
+        }
+
+    # -- claims --------------------------------------------------------------------------------
+    def _scan(self) -> tuple[set[int], dict[int, ObjectInfo]]:
+        done = set(self._done_cache)
+        for obj in self.store.list(self.layout.completions_prefix):
+            c = chunk_of_key(obj.key)
+            if c is not None:
+                done.add(c)
+        self._done_cache = done
+        claims: dict[int, ObjectInfo] = {}
+        for obj in self.store.list(self.layout.claims_prefix):
+            c = chunk_of_key(obj.key)
+            if c is not None and c not in done:
+                claims[c] = obj
+        return done, claims
+
+    def _claim_body(self) -> bytes:
+        s = self.settings
+        return json.dumps(
+            {"owner": s.owner, "worker": s.worker, "server": s.server.name, "run_id": s.run_id, "try": s.try_number}
+        ).encode()
+
+    def _find_own_stale(self, claims: dict[int, ObjectInfo]) -> set[int]:
+        """Chunks a previous try of this same worker claimed: ours to take back without waiting."""
+        own: set[int] = set()
+        for c in claims:
+            got = self.store.get(self.layout.claim_key(c))
+            if got is None:
+                continue
+            try:
+                if json.loads(got[0]).get("owner") == self.settings.owner:
+                    own.add(c)
+            except ValueError:
+                continue
+        if own:
+            logger.info("taking back %d chunk(s) claimed by an earlier try of this task: %s", len(own), sorted(own))
+        return own
+
+    def _try_claim(self) -> OpenChunk | None:
+        done, claims = self._scan()
+        if self._own_stale is None:
+            self._own_stale = self._find_own_stale(claims)
+        now = self.store.server_time()
+        for c in range(self.n_chunks):
+            if c in done or c in self.open:
+                continue
+            info = claims.get(c)
+            body = self._claim_body()
+            key = self.layout.claim_key(c)
+            try:
+                if info is None:
+                    etag = self.store.put(key, body, if_none_match=True, content_type="application/json")
+                else:
+                    age = (now - info.last_modified).total_seconds()
+                    mine = c in self._own_stale
+                    if not mine and age <= self.settings.lease_s:
+                        continue
+                    etag = self.store.put(key, body, if_match=info.etag, content_type="application/json")
+                    self._own_stale.discard(c)
+                    if not mine:
+                        self.stats.chunks_taken_over += 1
+                        logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
+            except PreconditionFailed:
+                continue
+            # The chunk may have been committed between our listing and our claim.
+            if self.store.head(self.layout.part_key(c)) is not None:
+                self._done_cache.add(c)
+                self._release(c)
+                continue
+            got = self.store.get(self.layout.input_key(self.plan_id, c))
+            if got is None:
+                raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
+            prompts = decode_inputs(got[0])
+            return OpenChunk(c, etag, prompts)
+        return None
+
+    def _release(self, c: int) -> None:
+        try:
+            self.store.delete(self.layout.claim_key(c))
+        except Exception as exc:  # noqa: BLE001 - best effort; the lease expires anyway
+            logger.warning("could not release claim of chunk %d: %s", c, exc)
+
+    def _all_done(self) -> bool:
+        done, _ = self._scan()
+        return len(done & set(range(self.n_chunks))) == self.n_chunks
+
+    # -- committer thread -----------------------------------------------------------------------
+    def _committer(self) -> None:
+        last_renew = time.monotonic()
+        renew_every = max(1.0, self.settings.lease_s / 4)
+        while True:
+            try:
+                chunk = self._commit_q.get(timeout=min(renew_every, 5.0))
+            except queue.Empty:
+                chunk = None
+            else:
+                if chunk is None:
+                    return
+            try:
+                if chunk is not None:
+                    self._commit(chunk)
+                if time.monotonic() - last_renew >= renew_every:
+                    self._renew_leases()
+                    last_renew = time.monotonic()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
+                self._commit_error = exc
+                return
+            finally:
+                if chunk is not None:
+                    with self._committing_lock:
+                        self._committing -= 1
+
+    def _commit(self, chunk: OpenChunk) -> None:
+        rows = [chunk.results[p["id"]] for p in chunk.prompts]
+        data = encode_part(rows)
+        key = self.layout.part_key(chunk.index)
+        try:
+            with_retries(
+                lambda: self.store.put(key, data, if_none_match=True),
+                what=f"commit chunk {chunk.index}",
+                deadline_s=self.settings.store_deadline_s,
+            )
+        except PreconditionFailed:
+            self.stats.commits_refused += 1
+            self.stats.rows_discarded += len(rows)
+            logger.warning(
+                "chunk %d was already committed by another worker; %d rows of ours discarded",
+                chunk.index, len(rows),
+            )
+        else:
+            self.stats.chunks_committed += 1
+            logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
+        self._done_cache.add(chunk.index)
+        with_retries(lambda: self._release(chunk.index), what="release claim", deadline_s=60)
+
+    def _renew_leases(self) -> None:
+        with self._open_lock:
+            chunks = list(self.open.values())
+        for chunk in chunks:
+            if chunk.lost or chunk.complete:
+                continue
+            try:
+                chunk.claim_etag = with_retries(
+                    lambda: self.store.put(
+                        self.layout.claim_key(chunk.index),
+                        self._claim_body(),
+                        if_match=chunk.claim_etag,
+                        content_type="application/json",
+                    ),
+                    what=f"renew claim {chunk.index}",
+                    deadline_s=self.settings.lease_s / 2,
+                )
+            except PreconditionFailed:
+                chunk.lost = True
+                self._maybe_drop(chunk)
+                self.stats.chunks_lost_to_others += 1
+                logger.warning("chunk %d was taken over by another worker; dropping our copy", chunk.index)
+            except StoreUnavailable:
+                logger.warning("could not renew claim of chunk %d; S3 unavailable", chunk.index)
+
+    # -- main loop ------------------------------------------------------------------------------
+    def _want_more_work(self) -> bool:
+        ready = sum(1 for ch, _ in self.pending if not ch.lost)
+        return ready < self.settings.concurrency and self._committing <= 2
+
+    def _fill(self, pool: _RequestPool) -> None:
+        s = self.settings
+        now = time.monotonic()
+        while self._want_more_work():
+            if self._nothing_claimable and now - self._last_scan_t < s.poll_s:
+                break
+            self._last_scan_t = now
+            chunk = with_retries(self._try_claim, what="claim", deadline_s=s.store_deadline_s)
+            if chunk is None:
+                self._nothing_claimable = True
+                break
+            self._nothing_claimable = False
+            with self._open_lock:
+                self.open[chunk.index] = chunk
+            self.pending.extend((chunk, p) for p in chunk.prompts)
+        while self.in_flight < s.concurrency and self.pending:
+            chunk, prompt = self.pending.popleft()
+            if chunk.lost:
+                continue
+            pool.submit((chunk, prompt))
+            self.in_flight += 1
+            self.stats.requests_sent += 1
+
+    def _handle(self, out: _Outcome) -> None:
+        self.in_flight -= 1
+        chunk = out.chunk
+        if chunk.lost:
+            self.stats.rows_discarded += 1
+            self._maybe_drop(chunk)
+            return
+        if out.row is not None:
+            self._last_success_t = time.monotonic()
+            self._suspect_since = None
+            row = out.row
+            self.stats.completions += 1
+            tokens = int(row.get("completion_tokens") or 0)
+            self.stats.output_tokens += tokens
+            self._tok_window.append((self._last_success_t, tokens))
+        else:
+            f = out.failure
+            assert f is not None
+            if f.kind == "config":
+                raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
+            if f.transient and (out.first_failure_t or 0) >= self._last_success_t:
+                # Nothing succeeded since this request started failing: the server, not the prompt,
+                # is the problem. Put it back; it is not an error row.
+                self.pending.appendleft((chunk, out.prompt))
+                self.stats.requests_requeued += 1
+                if self._suspect_since is None:
+                    self._suspect_since = time.monotonic()
+                    logger.warning(
+                        "server %s is failing (%s); pausing new requests and probing /health",
+                        self.settings.server.name, f.message,
+                    )
+                return
+            row = self._error_row(out)
+            self.stats.errors += 1
+            self.stats.errors_by_class[f.error_class] = self.stats.errors_by_class.get(f.error_class, 0) + 1
+        chunk.results[row["id"]] = row
+        if chunk.complete:
+            with self._open_lock:
+                self.open.pop(chunk.index, None)
+            with self._committing_lock:
+                self._committing += 1
+            self._commit_q.put(chunk)
+
+    def _maybe_drop(self, chunk: OpenChunk) -> None:
+        with self._open_lock:
+            self.open.pop(chunk.index, None)
+
+    def _check_suspect(self, session: Any) -> None:
+        if self._suspect_since is None:
+            return
+        if check_health(session, self.settings.server, timeout_s=5.0):
+            logger.info("server %s answers /health again; resuming", self.settings.server.name)
+            self._suspect_since = None
+            self._last_success_t = time.monotonic()
+            return
+        down_for = time.monotonic() - self._suspect_since
+        if down_for >= self.settings.server_lost_after_s:
+            raise ServerLost(
+                f"server {self.settings.server.name} lost: no answer for {down_for:.0f}s "
+                f"(server_lost_after_s={self.settings.server_lost_after_s:g})"
+            )
+
+    def _progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        while self._tok_window and now - self._tok_window[0][0] > 120:
+            self._tok_window.popleft()
+        window_tokens = sum(t for _, t in self._tok_window)
+        span = min(120.0, max(1e-9, now - self.stats.started_t))
+        snapshot = {
+            "worker": self.settings.worker,
+            "server": self.settings.server.name,
+            "completions": self.stats.completions,
+            "errors": self.stats.errors,
+            "errors_by_class": dict(self.stats.errors_by_class),
+            "chunks_committed": self.stats.chunks_committed,
+            "in_flight": self.in_flight,
+            "open_chunks": len(self.open),
+            "output_tokens": self.stats.output_tokens,
+            "output_tokens_per_s": round(window_tokens / span, 1),
+        }
+        logger.info(
+            "progress %s: completions=%d errors=%d chunks_committed=%d in_flight=%d tok/s=%.0f",
+            snapshot["server"], snapshot["completions"], snapshot["errors"], snapshot["chunks_committed"],
+            snapshot["in_flight"], snapshot["output_tokens_per_s"],
+        )
+        if self.on_progress:
+            self.on_progress(snapshot)
+
+    def run(self) -> dict[str, Any]:
+        s = self.settings
+        logger.info(
+            "worker %s on %s: %d chunks in the plan, concurrency %d, model %s",
+            s.worker, s.server.name, self.n_chunks, s.concurrency, s.model,
+        )
+        pool = _RequestPool(s.concurrency, self._do_request, self.session_factory)
+        committer = threading.Thread(target=self._committer, name="committer", daemon=True)
+        committer.start()
+        probe_session = self.session_factory()
+        last_progress = time.monotonic()
+        try:
+            while True:
+                if self._commit_error is not None:
+                    raise self._commit_error
+                if self._suspect_since is None:
+                    self._fill(pool)
+                else:
+                    self._check_suspect(probe_session)
+                if self.in_flight == 0 and not self.pending:
+                    if self._suspect_since is not None:
+                        time.sleep(1.0)
+                        continue
+                    self._wait_commits()
+                    if not self.open and self._all_done():
+                        break
+                    time.sleep(min(s.poll_s, 1.0) if self.open else s.poll_s)
+                    self._nothing_claimable = False
+                    continue
+                try:
+                    item = pool.out.get(timeout=1.0)
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    self._handle(item)
+                    try:
+                        item = pool.out.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if time.monotonic() - last_progress >= s.progress_every_s:
+                    self._progress()
+                    last_progress = time.monotonic()
+        except BaseException:
+            self._give_up()
+            raise
+        finally:
+            pool.close()
+        self._commit_q.put(None)
+        committer.join(timeout=60)
+        if self._commit_error is not None:
+            raise self._commit_error
+        self._progress(force=True)
+        result = self.stats.to_dict()
+        result.update({"worker": s.worker, "server": s.server.name})
+        logger.info("worker %s done: %s", s.worker, result)
+        return result
+
+    def _wait_commits(self) -> None:
+        while self._committing > 0:
+            if self._commit_error is not None:
+                raise self._commit_error
+            time.sleep(0.05)
+
+    def _give_up(self) -> None:
+        """Stop, and hand our unfinished chunks to the fleet right away (not after the lease)."""
+        with self._open_lock:
+            chunks = list(self.open.values())
+            self.open.clear()
+        for chunk in chunks:
+            chunk.lost = True
+        self.pending.clear()
+        for chunk in chunks:
+            self._release(chunk.index)
+        if chunks:
+            logger.warning("released %d unfinished chunk(s) to the other servers", len(chunks))

@@ -1,0 +1,128 @@
+"""Where everything lives under a dataset root (`output_uri`).
+
+Every key is a pure function of the dataset root and a chunk index, never of the clock, so a retried
+task writes to exactly the keys its first try would have written. The layout is documented in the
+README; readers downstream only need `manifest.json` and `completions/`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_SAFE_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._=\-]+$")
+_RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._\-]")
+
+CHUNK_DIGITS = 6
+
+
+class UriError(ValueError):
+    """An S3 URI that cannot be used (wrong scheme, bad bucket, unsafe path)."""
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+def parse_s3_uri(uri: str, *, what: str = "uri", allow_empty_key: bool = False) -> S3Uri:
+    """Parse and sanity-check `s3://bucket/key`, refusing paths that could escape a prefix."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise UriError(f"{what} must look like s3://bucket/key, got {uri!r}")
+    rest = uri[len("s3://") :]
+    bucket, _, key = rest.partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise UriError(f"{what}: {bucket!r} is not a valid S3 bucket name")
+    key = key.strip("/")
+    if not key and not allow_empty_key:
+        raise UriError(f"{what} must name a key under the bucket, got {uri!r}")
+    for segment in key.split("/") if key else []:
+        if segment in ("", ".", "..") or not _SAFE_SEGMENT_RE.match(segment):
+            raise UriError(
+                f"{what}: path segment {segment!r} in {uri!r} is not allowed "
+                "(use letters, digits, '.', '_', '-', '='; no empty, '.' or '..' segments)"
+            )
+    return S3Uri(bucket, key)
+
+
+def safe_run_id(run_id: str) -> str:
+    """A run id as a single safe key segment (Airflow run ids contain ':' and '+')."""
+    cleaned = _RUN_ID_UNSAFE.sub("_", run_id)
+    return cleaned[:200] or "run"
+
+
+@dataclass(frozen=True)
+class DatasetLayout:
+    """All keys of one dataset root. `root` has no trailing slash."""
+
+    bucket: str
+    root: str
+
+    @classmethod
+    def from_uri(cls, output_uri: str) -> "DatasetLayout":
+        parsed = parse_s3_uri(output_uri, what="output_uri")
+        return cls(parsed.bucket, parsed.key)
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.root}"
+
+    def _k(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    @property
+    def manifest_key(self) -> str:
+        return self._k("manifest.json")
+
+    @property
+    def report_key(self) -> str:
+        return self._k("report.json")
+
+    @property
+    def report_md_key(self) -> str:
+        return self._k("report.md")
+
+    @property
+    def inputs_prefix(self) -> str:
+        return self._k("inputs/")
+
+    @property
+    def completions_prefix(self) -> str:
+        return self._k("completions/")
+
+    @property
+    def claims_prefix(self) -> str:
+        return self._k("claims/")
+
+    @property
+    def rejects_key(self) -> str:
+        return self._k("rejects/rejects.jsonl")
+
+    def input_key(self, plan_id: str, chunk: int) -> str:
+        return f"{self.inputs_prefix}{plan_id}/chunk-{chunk:0{CHUNK_DIGITS}d}.parquet"
+
+    def part_key(self, chunk: int) -> str:
+        return f"{self.completions_prefix}part-{chunk:0{CHUNK_DIGITS}d}.parquet"
+
+    def claim_key(self, chunk: int) -> str:
+        return f"{self.claims_prefix}chunk-{chunk:0{CHUNK_DIGITS}d}.json"
+
+    def run_key(self, run_id: str, name: str) -> str:
+        return self._k(f"runs/{safe_run_id(run_id)}/{name}")
+
+    def progress_key(self, run_id: str, worker: str) -> str:
+        return self.run_key(run_id, f"progress/{worker}.json")
+
+
+_INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|json)$")
+
+
+def chunk_of_key(key: str) -> int | None:
+    """The chunk index a part/claim/input key names, or None for anything else."""
+    m = _INDEXED_RE.search(key)
+    return int(m.group(1)) if m else None

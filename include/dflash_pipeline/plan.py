@@ -1,0 +1,363 @@
+"""The plan step: read and check the prompt file once, split it into chunks, pin the run.
+
+A chunk is the unit of work a generate task claims and the unit of output it commits (one Parquet
+part per chunk). Chunks are `save_every` prompts, except near the end, where they shrink
+(guided self-scheduling), so the last pieces of work are small and no server is left finishing a
+big chunk while the others idle.
+
+`manifest.json` is written last and only once (If-None-Match): it is the plan's commit point. A
+rerun into the same root finds it, checks that this run asks for the same thing, and reuses it
+without reading the input again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.layout import DatasetLayout, parse_s3_uri
+from dflash_pipeline.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
+from dflash_pipeline.records import encode_inputs
+from dflash_pipeline.store import PreconditionFailed, Store, with_retries
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "dflash-pipeline/manifest/1"
+MAX_REJECTS_KEPT = 10_000
+TAIL_CAP = 65_536
+
+
+class PlanError(ValueError):
+    """The prompt file or the dataset root refuses this plan; retrying cannot fix it."""
+
+
+def min_chunk_size(save_every: int) -> int:
+    return max(1, min(save_every, 16))
+
+
+def tail_threshold(save_every: int, n_servers: int) -> int:
+    """Below this many remaining prompts chunks start to shrink."""
+    return min(TAIL_CAP, 2 * max(1, n_servers) * save_every)
+
+
+def next_chunk_size(remaining: int, save_every: int, n_servers: int) -> int:
+    if remaining >= tail_threshold(save_every, n_servers):
+        return min(save_every, remaining)
+    size = -(-remaining // (2 * max(1, n_servers)))
+    return min(remaining, save_every, max(min_chunk_size(save_every), size))
+
+
+def chunk_sizes(n: int, save_every: int, n_servers: int) -> list[int]:
+    """The whole layout for n prompts (what the streaming planner produces)."""
+    sizes: list[int] = []
+    remaining = n
+    while remaining > 0:
+        size = next_chunk_size(remaining, save_every, n_servers)
+        sizes.append(size)
+        remaining -= size
+    return sizes
+
+
+def chunk_stream(prompts: Iterable[Prompt], save_every: int, n_servers: int) -> Iterator[list[Prompt]]:
+    """Cut a stream into the chunks `chunk_sizes` describes, holding only the tail in memory."""
+    hold = tail_threshold(save_every, n_servers) + save_every
+    buf: deque[Prompt] = deque()
+    for p in prompts:
+        buf.append(p)
+        if len(buf) >= hold:
+            yield [buf.popleft() for _ in range(save_every)]
+    remaining = len(buf)
+    while remaining:
+        size = next_chunk_size(remaining, save_every, n_servers)
+        yield [buf.popleft() for _ in range(size)]
+        remaining -= size
+
+
+@dataclass
+class PlanStats:
+    rows_read: int = 0
+    accepted: int = 0
+    duplicates_dropped: int = 0
+    rejects: int = 0
+    limited: bool = False
+
+
+class _Deduper:
+    """Drops repeated prompts, rejects one id used for different content."""
+
+    def __init__(self) -> None:
+        self.seen_content: set[bytes] = set()
+        self.id_content: dict[str, bytes] = {}
+
+    def check(self, p: Prompt) -> str | None:
+        """None = keep; 'duplicate' = drop silently (counted); anything else = reject reason."""
+        prev = self.id_content.get(p.id)
+        if prev is not None:
+            if prev == p.content_hash:
+                return "duplicate"
+            return f"id {p.id!r} was already used by an earlier row with different content"
+        if p.content_hash in self.seen_content:
+            return "duplicate"
+        self.id_content[p.id] = p.content_hash
+        self.seen_content.add(p.content_hash)
+        return None
+
+
+def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[str, Any]:
+    """What makes rows under one root comparable. A rerun must match (or accept_pin_changes)."""
+    s = cfg.sampling
+    return {
+        "input": {"uri": cfg.prompts_uri, "etag": input_etag, "size": input_size, "limit": cfg.limit},
+        "model": cfg.model,
+        "sampling": {
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "enable_thinking": s.enable_thinking,
+            "seed": s.seed,
+        },
+    }
+
+
+def diff_pins(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_pins(a, b, name + "."))
+        elif a != b:
+            out.append(f"{name}: the dataset has {a!r}, this run asks for {b!r}")
+    return out
+
+
+def check_pins(existing: dict[str, Any], new_pins: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """Refuse a rerun that would mix incomparable rows; returns accepted differences."""
+    old = existing["pinned"]
+    diffs = diff_pins(old, new_pins)
+    if not diffs:
+        return []
+    layout_diffs = [d for d in diffs if d.startswith("input.")]
+    if layout_diffs or not cfg.accept_pin_changes:
+        how = (
+            "Use a new output_uri for a new dataset"
+            + ("" if layout_diffs else ", or set accept_pin_changes=true to continue this one with the new settings")
+            + "."
+        )
+        raise PlanError(
+            f"output_uri {cfg.output_uri} already holds a dataset planned differently:\n  - "
+            + "\n  - ".join(diffs)
+            + f"\n{how}"
+        )
+    return diffs
+
+
+def plan_id_for(pins: dict[str, Any], save_every: int, n_servers: int) -> str:
+    blob = json.dumps({"pins": pins["input"], "save_every": save_every, "n_servers": n_servers}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def load_manifest(store: Store, layout: DatasetLayout) -> tuple[dict[str, Any], str] | None:
+    got = with_retries(lambda: store.get(layout.manifest_key), what="read manifest")
+    if got is None:
+        return None
+    body, etag = got
+    return json.loads(body), etag
+
+
+def update_manifest(store: Store, layout: DatasetLayout, mutate: Any, attempts: int = 20) -> dict[str, Any]:
+    """Read-modify-write the manifest with If-Match, so concurrent writers never lose an update."""
+    for _ in range(attempts):
+        got = load_manifest(store, layout)
+        if got is None:
+            raise PlanError(f"{layout.uri}/manifest.json is missing; run plan first")
+        manifest, etag = got
+        mutate(manifest)
+        try:
+            with_retries(
+                lambda: store.put(
+                    layout.manifest_key,
+                    json.dumps(manifest, indent=1, sort_keys=True).encode(),
+                    if_match=etag,
+                    content_type="application/json",
+                ),
+                what="update manifest",
+            )
+            return manifest
+        except PreconditionFailed:
+            continue
+    raise PlanError("manifest.json kept changing under us; another run is writing the same root")
+
+
+def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool) -> dict[str, Any]:
+    """The small dict that goes to XCom."""
+    return {
+        "output_uri": layout.uri,
+        "manifest_key": layout.manifest_key,
+        "plan_id": manifest["plan_id"],
+        "prompts": manifest["input"]["prompts"],
+        "chunks": len(manifest["chunks"]["sizes"]),
+        "rejects": manifest["input"]["rejects"],
+        "resumed": resumed,
+    }
+
+
+def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
+    """Plan the dataset root `cfg.output_uri` (or check and reuse an existing plan)."""
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    src = parse_s3_uri(cfg.prompts_uri, what="prompts_uri")
+    out_store = Store(client, layout.bucket)
+    in_store = Store(client, src.bucket)
+    out_store.check_bucket()
+    in_store.check_bucket()
+    head = with_retries(lambda: in_store.head(src.key), what="head prompts")
+    if head is None:
+        raise PlanError(f"prompts_uri {cfg.prompts_uri} does not exist")
+    pins = pinned_settings(cfg, head.etag, head.size)
+
+    existing = load_manifest(out_store, layout)
+    if existing is not None:
+        manifest, _ = existing
+        accepted = check_pins(manifest, pins, cfg)
+        if accepted:
+            logger.warning("accept_pin_changes: continuing %s with changed settings: %s", layout.uri, accepted)
+
+            def repin(m: dict[str, Any]) -> None:
+                m.setdefault("pin_history", []).append({"run_id": run_id, "previous": m["pinned"], "changes": accepted})
+                m["pinned"] = pins
+
+            manifest = update_manifest(out_store, layout, repin)
+        if manifest["chunks"]["save_every"] != cfg.save_every:
+            logger.warning(
+                "save_every=%s ignored: this dataset root was planned with save_every=%s",
+                cfg.save_every,
+                manifest["chunks"]["save_every"],
+            )
+        logger.info(
+            "resuming %s: %s prompts in %s chunks already planned", layout.uri, manifest["input"]["prompts"],
+            len(manifest["chunks"]["sizes"]),
+        )
+        return plan_summary(manifest, layout, resumed=True)
+
+    n_servers = len(cfg.servers)
+    plan_id = plan_id_for(pins, cfg.save_every, n_servers)
+    stats = PlanStats()
+    rejects: list[Reject] = []
+    dedupe = _Deduper()
+    sha = hashlib.sha256()
+
+    def accepted_prompts() -> Iterator[Prompt]:
+        body = in_store.open(src.key)
+        stream = _HashingReader(body, sha)
+        try:
+            for item in iter_prompt_file(stream, src.key):
+                stats.rows_read += 1
+                if isinstance(item, Reject):
+                    stats.rejects += 1
+                    if len(rejects) < MAX_REJECTS_KEPT:
+                        rejects.append(item)
+                    continue
+                verdict = dedupe.check(item)
+                if verdict == "duplicate":
+                    stats.duplicates_dropped += 1
+                    continue
+                if verdict is not None:
+                    stats.rejects += 1
+                    if len(rejects) < MAX_REJECTS_KEPT:
+                        rejects.append(Reject(item.line, verdict))
+                    continue
+                if cfg.limit is not None and stats.accepted >= cfg.limit:
+                    stats.limited = True
+                    return
+                stats.accepted += 1
+                yield item
+        except PromptFileError as exc:
+            raise PlanError(f"{cfg.prompts_uri}: {exc}") from exc
+
+    sizes: list[int] = []
+    for index, chunk in enumerate(chunk_stream(accepted_prompts(), cfg.save_every, n_servers)):
+        data = encode_inputs([{"id": p.id, "messages": p.messages} for p in chunk])
+        key = layout.input_key(plan_id, index)
+        with_retries(lambda: out_store.put(key, data), what=f"write {key}")
+        sizes.append(len(chunk))
+
+    if rejects or stats.rejects:
+        blob = "\n".join(json.dumps(r.to_dict(), ensure_ascii=False) for r in rejects).encode() + b"\n"
+        with_retries(lambda: out_store.put(layout.rejects_key, blob, content_type="application/x-ndjson"), what="rejects")
+    if stats.rejects > cfg.max_rejects:
+        shown = "\n".join(f"  line {r.line}: {r.reason}" for r in rejects[:20])
+        more = "" if stats.rejects <= 20 else f"\n  … and {stats.rejects - 20} more"
+        raise PlanError(
+            f"{cfg.prompts_uri}: {stats.rejects} bad row(s), max_rejects={cfg.max_rejects}. "
+            f"Nothing was sent to the servers. All reasons are in s3://{layout.bucket}/{layout.rejects_key}\n"
+            f"{shown}{more}"
+        )
+    if stats.accepted == 0:
+        raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read)")
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "plan_id": plan_id,
+        "created_by_run": run_id,
+        "pinned": pins,
+        "input": {
+            "uri": cfg.prompts_uri,
+            "etag": head.etag,
+            "size": head.size,
+            "sha256": None if stats.limited else sha.hexdigest(),
+            "rows_read": stats.rows_read,
+            "prompts": stats.accepted,
+            "duplicates_dropped": stats.duplicates_dropped,
+            "rejects": stats.rejects,
+            "limit": cfg.limit,
+        },
+        "chunks": {
+            "save_every": cfg.save_every,
+            "planned_for_servers": n_servers,
+            "sizes": sizes,
+            "inputs_prefix": f"{layout.inputs_prefix}{plan_id}/",
+        },
+        "model_resolved": None,
+        "runs": {},
+    }
+    try:
+        with_retries(
+            lambda: out_store.put(
+                layout.manifest_key,
+                json.dumps(manifest, indent=1, sort_keys=True).encode(),
+                if_none_match=True,
+                content_type="application/json",
+            ),
+            what="write manifest",
+        )
+    except PreconditionFailed:
+        # Another run planned the same root at the same moment: theirs wins if it pins the same.
+        got = load_manifest(out_store, layout)
+        assert got is not None
+        manifest = got[0]
+        check_pins(manifest, pins, cfg)
+        return plan_summary(manifest, layout, resumed=True)
+    logger.info(
+        "planned %s prompts in %s chunks (rows read %s, duplicates dropped %s, rejects %s) -> %s",
+        stats.accepted, len(sizes), stats.rows_read, stats.duplicates_dropped, stats.rejects, layout.uri,
+    )
+    return plan_summary(manifest, layout, resumed=False)
+
+
+class _HashingReader:
+    """A read-through that hashes the bytes the parser consumes (the input's checksum for free)."""
+
+    def __init__(self, body: Any, sha: Any) -> None:
+        self._body = body
+        self._sha = sha
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._body.read(n) if n is not None and n >= 0 else self._body.read()
+        self._sha.update(data)
+        return data

@@ -1,0 +1,214 @@
+"""Reading and checking prompt files: JSONL, .jsonl.gz and Parquet, streamed row by row.
+
+Every row is either a `Prompt` (normalised messages and a stable id) or a `Reject` carrying the line
+(JSONL) or row number (Parquet) and a reason a person can act on. Nothing here talks to S3 or Airflow;
+`plan` feeds it a byte stream.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+MAX_ID_LEN = 512
+
+
+class PromptFileError(ValueError):
+    """The file as a whole cannot be read (wrong format, wrong Parquet columns)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, str]]
+    content_hash: bytes
+    line: int
+
+
+@dataclass(frozen=True)
+class Reject:
+    line: int
+    reason: str
+    excerpt: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line": self.line, "reason": self.reason, "excerpt": self.excerpt}
+
+
+def canonical_messages(messages: list[dict[str, str]]) -> bytes:
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def derive_id(messages: list[dict[str, str]]) -> str:
+    """A stable id from the content, so reruns and resumes agree without an id column."""
+    return "h" + hashlib.sha256(canonical_messages(messages)).hexdigest()[:24]
+
+
+def detect_format(key: str, head: bytes) -> str:
+    """'parquet', 'jsonl.gz' or 'jsonl', from magic bytes first, then the key's suffix."""
+    if head[:4] == b"PAR1":
+        return "parquet"
+    if head[:2] == b"\x1f\x8b":
+        return "jsonl.gz"
+    lowered = key.lower()
+    if lowered.endswith(".parquet"):
+        return "parquet"
+    if lowered.endswith((".jsonl", ".json", ".ndjson", ".jsonl.gz")):
+        return "jsonl"
+    raise PromptFileError(f"cannot tell the format of {key!r}: use .jsonl, .jsonl.gz or .parquet")
+
+
+def normalize_row(row: Any, line: int) -> Prompt | Reject:
+    """Check one decoded row and turn it into a Prompt, or say exactly what is wrong with it."""
+    if not isinstance(row, dict):
+        return Reject(line, f"row is a JSON {type(row).__name__}, expected an object")
+    has_messages = row.get("messages") is not None
+    has_prompt = row.get("prompt") is not None
+    if has_messages and has_prompt:
+        return Reject(line, "row has both 'messages' and 'prompt'; give one")
+    if not has_messages and not has_prompt:
+        return Reject(line, "row has neither 'messages' nor 'prompt'")
+    if has_prompt:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str):
+            return Reject(line, f"'prompt' must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
+            return Reject(line, "'prompt' is empty")
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        raw = row["messages"]
+        if not isinstance(raw, list) or not raw:
+            return Reject(line, "'messages' must be a non-empty list")
+        messages = []
+        for i, msg in enumerate(raw):
+            if not isinstance(msg, dict):
+                return Reject(line, f"messages[{i}] is not an object")
+            role = msg.get("role")
+            content = msg.get("content")
+            if role not in ROLES:
+                return Reject(line, f"messages[{i}].role is {role!r}; must be one of {list(ROLES)}")
+            if not isinstance(content, str):
+                return Reject(line, f"messages[{i}].content must be a string")
+            if not content.strip():
+                return Reject(line, f"messages[{i}].content is empty")
+            messages.append({"role": role, "content": content})
+        # The old completion being regenerated is dropped: we answer the last user turn anew.
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        if not messages or messages[-1]["role"] != "user":
+            return Reject(line, "the conversation must end with a user message (after dropping the old answer)")
+    raw_id = row.get("id")
+    if raw_id is None:
+        pid = derive_id(messages)
+    elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+        return Reject(line, f"'id' must be a string or integer, got {type(raw_id).__name__}")
+    else:
+        pid = str(raw_id)
+        if not pid.strip():
+            return Reject(line, "'id' is empty")
+        if len(pid) > MAX_ID_LEN:
+            return Reject(line, f"'id' is longer than {MAX_ID_LEN} characters")
+    digest = hashlib.sha256(canonical_messages(messages)).digest()[:16]
+    return Prompt(pid, messages, digest, line)
+
+
+def _excerpt(raw: bytes | str) -> str:
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    return text[:200]
+
+
+def iter_jsonl(stream: IO[bytes]) -> Iterator[Prompt | Reject]:
+    """Rows of a JSONL byte stream; blank lines are skipped, line numbers are 1-based."""
+    for lineno, raw in enumerate(stream, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield Reject(lineno, f"invalid UTF-8 at byte {exc.start}", _excerpt(raw))
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield Reject(lineno, f"malformed JSON: {exc.msg} at column {exc.colno}", _excerpt(text))
+            continue
+        result = normalize_row(row, lineno)
+        if isinstance(result, Reject):
+            result = Reject(result.line, result.reason, _excerpt(text))
+        yield result
+
+
+def iter_parquet(path_or_file: Any, batch_rows: int = 10_000) -> Iterator[Prompt | Reject]:
+    """Rows of a Parquet file, one record batch at a time (memory bounded by the batch)."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path_or_file)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is a file-level error
+        raise PromptFileError(f"not a readable Parquet file: {exc}") from exc
+    names = set(pf.schema_arrow.names)
+    if "messages" not in names and "prompt" not in names:
+        raise PromptFileError(
+            f"Parquet columns are {sorted(names)}; a prompt file needs a 'messages' or 'prompt' column"
+        )
+    columns = [c for c in ("id", "messages", "prompt") if c in names]
+    rowno = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+        for row in batch.to_pylist():
+            rowno += 1
+            yield normalize_row(row, rowno)
+
+
+def iter_prompt_file(stream: IO[bytes], key: str) -> Iterator[Prompt | Reject]:
+    """Dispatch on the file's format. Parquet needs seeking, so it is spooled to a temp file."""
+    head = stream.read(4)
+    fmt = detect_format(key, head)
+    rest = _Prepend(head, stream)
+    if fmt == "parquet":
+        import tempfile
+
+        with tempfile.TemporaryFile() as tmp:
+            while chunk := rest.read(1 << 20):
+                tmp.write(chunk)
+            tmp.seek(0)
+            yield from iter_parquet(tmp)
+        return
+    if fmt == "jsonl.gz":
+        try:
+            yield from iter_jsonl(io.BufferedReader(gzip.GzipFile(fileobj=rest)))  # type: ignore[arg-type]
+        except (OSError, EOFError) as exc:
+            raise PromptFileError(f"broken gzip stream: {exc}") from exc
+        return
+    yield from iter_jsonl(io.BufferedReader(rest))  # type: ignore[arg-type]
+
+
+class _Prepend(io.RawIOBase):
+    """Put the sniffed bytes back in front of a non-seekable stream."""
+
+    def __init__(self, head: bytes, stream: IO[bytes]) -> None:
+        self._head = head
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._stream.read(len(b))
+        if not data:
+            return 0
+        b[: len(data)] = data
+        return len(data)

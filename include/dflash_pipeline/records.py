@@ -1,0 +1,86 @@
+"""The Parquet schemas of chunk inputs and completion parts, and their (de)serialisation.
+
+One schema, written by the generate task and read by validation and by tokenization downstream.
+A part holds exactly the rows of one planned chunk: one row per prompt, either a completion
+(`error_class` null) or a request that failed for good (`error_class` set).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+INPUT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.list_(MESSAGE_TYPE)),
+        ("prompt_chars", pa.int64()),
+    ]
+)
+
+PART_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.list_(MESSAGE_TYPE)),
+        ("reasoning", pa.string()),
+        ("content", pa.string()),
+        ("finish_reason", pa.string()),
+        ("matched_stop", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("model", pa.string()),
+        ("server", pa.string()),
+        ("attempts", pa.int32()),
+        ("latency_s", pa.float64()),
+        ("error_class", pa.string()),
+        ("error_message", pa.string()),
+        ("retryable", pa.bool_()),
+        ("chunk", pa.int32()),
+        ("run_id", pa.string()),
+    ]
+)
+
+PART_COLUMNS = tuple(PART_SCHEMA.names)
+
+
+def _to_parquet(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": r["id"],
+                "messages": r["messages"],
+                "prompt_chars": sum(len(m["content"]) for m in r["messages"]),
+            }
+            for r in rows
+        ],
+        schema=INPUT_SCHEMA,
+    )
+    return _to_parquet(table)
+
+
+def decode_inputs(data: bytes) -> list[dict[str, Any]]:
+    table = pq.read_table(io.BytesIO(data), columns=["id", "messages"])
+    return table.to_pylist()
+
+
+def encode_part(rows: Iterable[dict[str, Any]]) -> bytes:
+    """Rows as dicts with PART_COLUMNS keys (missing keys become null)."""
+    table = pa.Table.from_pylist([{c: r.get(c) for c in PART_COLUMNS} for r in rows], schema=PART_SCHEMA)
+    return _to_parquet(table)
+
+
+def decode_part(data: bytes, columns: Sequence[str] | None = None) -> pa.Table:
+    return pq.read_table(io.BytesIO(data), columns=list(columns) if columns else None)

@@ -1,0 +1,310 @@
+"""Talking to one SGLang server: probing it, building chat requests, classifying what comes back.
+
+Outcomes are sorted into the classes the retry policy acts on:
+- transient (connection refused/reset, timeouts, 408/429/5xx, 503 queue full, a garbled body):
+  retried with backoff by the caller;
+- permanent for that prompt (400 context length, other 4xx a retry cannot fix): becomes an error row;
+- configuration (401/403 API key, 404 wrong endpoint or model): the task fails at once.
+`finish_reason == "length"` is a normal result, never an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from dflash_pipeline.config import Sampling
+
+logger = logging.getLogger(__name__)
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A server as the user named it (`name`, safe to log and store) and how to reach it."""
+
+    name: str
+    base_url: str
+    api_key: str | None = field(default=None, repr=False)
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What preflight learned; stored in the manifest (no secrets: SGLang redacts api_key)."""
+
+    name: str
+    base_url: str
+    model_path: str | None
+    served_model_name: str | None
+    max_running_requests: int | None
+    max_total_num_tokens: int | None
+    context_length: int | None
+    version: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def serves(self, model: str) -> bool:
+        return model in {self.served_model_name, self.model_path}
+
+
+class RequestFailure(Exception):
+    """One request's failure, with the class recorded in error rows."""
+
+    def __init__(self, error_class: str, message: str, *, kind: str, status: int | None = None) -> None:
+        super().__init__(f"{error_class}: {message}")
+        self.error_class = error_class
+        self.message = message[:2000]
+        self.kind = kind  # "transient" | "permanent" | "config"
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.kind == "transient"
+
+
+_CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "longer than the model")
+
+
+def classify_http_error(status: int, body: str) -> RequestFailure:
+    """Turn an HTTP error status and SGLang's error JSON into a RequestFailure."""
+    message = body
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, dict):
+            message = str(parsed.get("message") or parsed.get("detail") or parsed.get("error") or body)
+    except ValueError:
+        pass
+    message = message.strip() or f"HTTP {status}"
+    lowered = message.lower()
+    if status == 400 and any(h in lowered for h in _CONTEXT_HINTS):
+        return RequestFailure("ContextLengthExceeded", message, kind="permanent", status=status)
+    if status in (401, 403):
+        return RequestFailure("Unauthorized", f"HTTP {status}: {message}", kind="config", status=status)
+    if status == 404:
+        return RequestFailure("NotFound", f"HTTP {status}: {message}", kind="config", status=status)
+    if status in (408, 425, 429) or status >= 500:
+        cls = {503: "ServiceUnavailable", 429: "RateLimited", 408: "RequestTimeout"}.get(status, "ServerError")
+        return RequestFailure(cls, f"HTTP {status}: {message}", kind="transient", status=status)
+    return RequestFailure("BadRequest", f"HTTP {status}: {message}", kind="permanent", status=status)
+
+
+def request_seed(seed: int | None, prompt_id: str) -> int | None:
+    if seed is None:
+        return None
+    return int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def build_chat_body(messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stream": False,
+        "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
+        "separate_reasoning": True,
+    }
+    seed = request_seed(sampling.seed, prompt_id)
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str]:
+    """(reasoning, answer) whether the server split them or returned `<think>…</think>` inline.
+
+    Truncated thinking (no closing tag) is all reasoning with an empty answer. A close tag with no
+    open tag is the Qwen3 template's shape, where `<think>` was part of the prompt.
+    """
+    if reasoning_content:
+        return reasoning_content, content or ""
+    text = content or ""
+    start = text.find(THINK_OPEN)
+    end = text.find(THINK_CLOSE)
+    if start == -1 and end == -1:
+        return None, text
+    if end == -1:
+        return text[start + len(THINK_OPEN) :].strip("\n"), ""
+    begin = start + len(THINK_OPEN) if -1 < start < end else 0
+    return text[begin:end].strip("\n"), text[end + len(THINK_CLOSE) :].lstrip("\n")
+
+
+@dataclass(frozen=True)
+class Completion:
+    reasoning: str | None
+    content: str
+    finish_reason: str | None
+    matched_stop: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    model: str | None
+
+
+def parse_chat_response(data: Any) -> Completion:
+    """Parse SGLang's /v1/chat/completions body; a malformed one raises a transient failure."""
+    try:
+        choice = data["choices"][0]
+        message = choice["message"] or {}
+        usage = data.get("usage") or {}
+    except (KeyError, IndexError, TypeError) as exc:
+        raise RequestFailure("BadResponse", f"unexpected response shape: {exc!r}", kind="transient") from exc
+    reasoning, answer = split_reasoning(message.get("content"), message.get("reasoning_content"))
+    details = usage.get("completion_tokens_details") or {}
+    reasoning_tokens = usage.get("reasoning_tokens", details.get("reasoning_tokens"))
+    matched = choice.get("matched_stop")
+    return Completion(
+        reasoning=reasoning,
+        content=answer,
+        finish_reason=choice.get("finish_reason"),
+        matched_stop=None if matched is None else str(matched),
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        reasoning_tokens=reasoning_tokens,
+        model=data.get("model"),
+    )
+
+
+def new_session() -> requests.Session:
+    """A keep-alive session with no retries of its own: our caller is the one retry layer."""
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def chat_once(
+    session: requests.Session, server: ServerSpec, body: dict[str, Any], timeout_s: float
+) -> tuple[Completion, float]:
+    """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure."""
+    t0 = time.monotonic()
+    try:
+        resp = session.post(
+            f"{server.base_url}/v1/chat/completions",
+            data=json.dumps(body),
+            headers=server.headers(),
+            timeout=(min(10.0, timeout_s), timeout_s),
+        )
+    except requests.Timeout as exc:
+        raise RequestFailure("Timeout", f"no response within {timeout_s:g}s", kind="transient") from exc
+    except requests.ConnectionError as exc:
+        raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
+    except requests.RequestException as exc:
+        raise RequestFailure("TransportError", _short(exc), kind="transient") from exc
+    latency = time.monotonic() - t0
+    if resp.status_code != 200:
+        raise classify_http_error(resp.status_code, resp.text[:4000])
+    try:
+        data = resp.json()
+    except ValueError as exc:
+        raise RequestFailure("BadResponse", "response is not JSON", kind="transient") from exc
+    return parse_chat_response(data), latency
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    for marker in ("Connection refused", "Connection reset", "RemoteDisconnected", "Connection aborted"):
+        if marker in text:
+            return marker
+    return text[:300]
+
+
+def _get_json(session: requests.Session, server: ServerSpec, path: str, timeout_s: float) -> Any:
+    resp = session.get(f"{server.base_url}{path}", headers=server.headers(), timeout=timeout_s)
+    if resp.status_code != 200:
+        raise classify_http_error(resp.status_code, resp.text[:2000])
+    return resp.json()
+
+
+def check_health(session: requests.Session, server: ServerSpec, timeout_s: float = 5.0) -> bool:
+    try:
+        return session.get(f"{server.base_url}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float = 10.0) -> ServerInfo:
+    """Health, server info and served models of one server. Raises RequestFailure."""
+    try:
+        health = session.get(f"{server.base_url}/health", timeout=timeout_s)
+    except requests.RequestException as exc:
+        raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
+    if health.status_code != 200:
+        raise RequestFailure(
+            "Unhealthy", f"/health answered HTTP {health.status_code}", kind="transient", status=health.status_code
+        )
+    info: dict[str, Any] = {}
+    for path in ("/get_server_info", "/server_info"):
+        try:
+            info = _get_json(session, server, path, timeout_s)
+            break
+        except RequestFailure as exc:
+            if exc.error_class != "NotFound":
+                raise
+        except (requests.RequestException, ValueError) as exc:
+            raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
+    served: str | None = info.get("served_model_name")
+    try:
+        models = _get_json(session, server, "/v1/models", timeout_s)
+        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
+        served = served or (ids[0] if ids else None)
+    except RequestFailure as exc:
+        if exc.kind == "config" and exc.error_class == "Unauthorized":
+            raise
+    except (requests.RequestException, ValueError):
+        pass
+    internal = (info.get("internal_states") or [{}])[0] if isinstance(info.get("internal_states"), list) else {}
+
+    def num(v: Any) -> int | None:
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    return ServerInfo(
+        name=server.name,
+        base_url=server.base_url,
+        model_path=info.get("model_path"),
+        served_model_name=served,
+        max_running_requests=num(info.get("max_running_requests")) or num(internal.get("max_running_requests")),
+        max_total_num_tokens=num(info.get("max_total_num_tokens")) or num(internal.get("max_total_num_tokens")),
+        context_length=num(info.get("context_length")),
+        version=info.get("version"),
+    )
+
+
+def derive_concurrency(max_running_requests: int | None) -> int:
+    """Enough in flight that a freed slot is refilled from the server's own queue, not much more.
+
+    A small queue at the server (a quarter of the slots, at least 2) hides the client's round trip;
+    a larger one only makes requests wait, and that wait counts against the request timeout.
+    """
+    mrr = max_running_requests or 16
+    return mrr + max(2, -(-mrr // 4))
+
+
+def concurrency_warning(concurrency: int, max_running_requests: int | None, timeout_s: float) -> str | None:
+    if not max_running_requests or concurrency <= 2 * max_running_requests:
+        return None
+    queued = concurrency - max_running_requests
+    return (
+        f"concurrency_per_server={concurrency} is {concurrency / max_running_requests:.1f}x the server's "
+        f"max_running_requests={max_running_requests}: about {queued} requests will wait in the server's "
+        f"queue, their wait counts against request_timeout_s={timeout_s:g}, and a request that times out "
+        "while queued is sent again from scratch. Throughput does not improve; leave "
+        "concurrency_per_server null to derive it from the server."
+    )

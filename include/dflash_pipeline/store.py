@@ -1,0 +1,201 @@
+"""A thin, typed view of one S3 bucket with the conditional writes the claim protocol needs.
+
+It wraps a boto3 S3 client (in the DAG: `S3Hook(aws_conn_id).get_conn()`, so credentials come only
+from the Airflow connection). `If-None-Match: *` and `If-Match: <etag>` make "create once" and
+"replace only what I read" atomic on AWS S3 and on moto/MinIO, which is what lets several generate
+tasks share one dataset root without a lock server.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the key exists (If-None-Match) or changed (If-Match)."""
+
+
+class StoreConfigError(Exception):
+    """The bucket is missing or access is denied: retrying will not help."""
+
+
+class StoreUnavailable(Exception):
+    """The S3 endpoint did not answer (connection, 5xx, throttling): worth retrying."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    etag: str
+    size: int
+    last_modified: datetime
+
+
+_CONFIG_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
+
+
+def _translate(exc: Exception) -> Exception:
+    """Map botocore errors onto the three outcomes callers act on."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+            return PreconditionFailed(code or str(status))
+        if code in _CONFIG_CODES or status in (401, 403):
+            return StoreConfigError(f"S3 refused the request: {code} (HTTP {status})")
+        if status >= 500 or code in ("SlowDown", "RequestTimeout", "Throttling", "ServiceUnavailable"):
+            return StoreUnavailable(f"S3 error {code} (HTTP {status})")
+        return exc
+    if isinstance(exc, BotoCoreError):
+        return StoreUnavailable(f"S3 unreachable: {type(exc).__name__}: {exc}")
+    return exc
+
+
+class Store:
+    """One bucket. All methods raise PreconditionFailed / StoreConfigError / StoreUnavailable."""
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self.client = client
+        self.bucket = bucket
+        self._last_server_time: datetime | None = None
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _call(self, fn: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        try:
+            resp = fn(Bucket=self.bucket, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            translated = _translate(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if date:
+            try:
+                self._last_server_time = email.utils.parsedate_to_datetime(date)
+            except (TypeError, ValueError):
+                pass
+        return resp
+
+    def server_time(self) -> datetime:
+        """The S3 server's clock as of the last response (lease expiry uses it: no clock skew)."""
+        return self._last_server_time or datetime.now(timezone.utc)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        """(body, etag), or None when the key does not exist."""
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self._call(self.client.get_object, Key=key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return resp["Body"].read(), resp["ETag"]
+
+    def open(self, key: str) -> Any:
+        """A streaming body (file-like, `.read(n)` and line iteration) for large inputs."""
+        return self._call(self.client.get_object, Key=key)["Body"]
+
+    def head(self, key: str) -> ObjectInfo | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = self._call(self.client.head_object, Key=key)
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404 or exc.response.get(
+                "Error", {}
+            ).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return ObjectInfo(key, resp["ETag"], int(resp["ContentLength"]), resp["LastModified"])
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": 1000}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = self._call(self.client.list_objects_v2, **kwargs)
+            for obj in resp.get("Contents", []):
+                yield ObjectInfo(obj["Key"], obj["ETag"], int(obj["Size"]), obj["LastModified"])
+            if not resp.get("IsTruncated"):
+                return
+            token = resp["NextContinuationToken"]
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        """Write `data`; with if_none_match only if the key is absent, with if_match only if unchanged."""
+        kwargs: dict[str, Any] = {"Key": key, "Body": data, "ContentType": content_type}
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        return str(self._call(self.client.put_object, **kwargs)["ETag"])
+
+    def delete(self, key: str) -> None:
+        self._call(self.client.delete_object, Key=key)
+
+    def check_bucket(self) -> None:
+        """Fail fast with a clear message when the bucket is missing or not ours."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call(self.client.head_bucket)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 404:
+                raise StoreConfigError(f"bucket {self.bucket!r} does not exist") from exc
+            if status in (401, 403):
+                raise StoreConfigError(f"access to bucket {self.bucket!r} denied") from exc
+            raise
+
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    deadline_s: float = 300.0,
+    base_s: float = 0.5,
+    cap_s: float = 15.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Retry `fn` on StoreUnavailable with capped exponential backoff and full jitter.
+
+    S3 outages of tens of seconds happen in long runs; a part that cannot be written yet must wait
+    rather than fail the task, and the caller stops taking new work while it waits.
+    """
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except StoreUnavailable as exc:
+            attempt += 1
+            elapsed = time.monotonic() - start
+            if elapsed >= deadline_s:
+                raise
+            delay = min(cap_s, base_s * (2 ** min(attempt, 10))) * random.uniform(0.5, 1.0)
+            logger.warning("%s: S3 unavailable (%s); retry %d in %.1fs", what, exc, attempt, delay)
+            sleep(min(delay, max(0.0, deadline_s - elapsed)))

@@ -1,0 +1,161 @@
+"""The bodies of the DAG's tasks: Airflow in, plain library calls, Airflow exceptions out.
+
+This is the only module that knows about Airflow (hooks, connections, exception types), and it
+imports Airflow inside the functions so that importing it at DAG-parse time costs nothing.
+Errors a retry cannot fix become `AirflowFailException` (no retries burnt); transient ones are
+re-raised as they are, so Airflow retries the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.layout import DatasetLayout, UriError
+from dflash_pipeline.sglang import ServerSpec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@contextmanager
+def _fail_fast() -> Iterator[None]:
+    """Turn what a retry cannot fix into AirflowFailException with the original message."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dflash_pipeline.generate import ServerConfigError
+    from dflash_pipeline.plan import PlanError
+    from dflash_pipeline.store import StoreConfigError
+    from dflash_pipeline.validate import ValidationFailed
+
+    try:
+        yield
+    except (ConfigError, PlanError, ServerConfigError, StoreConfigError, ValidationFailed, UriError) as exc:
+        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def s3_client(aws_conn_id: str) -> Any:
+    """A boto3 S3 client from the Airflow AWS connection (credentials never pass through us)."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    return S3Hook(aws_conn_id=aws_conn_id).get_conn()
+
+
+def resolve_server(name: str) -> ServerSpec:
+    """A base URL as given, or an Airflow connection: host (with or without scheme), port, password = API key."""
+    if name.startswith(("http://", "https://")):
+        return ServerSpec(name=name, base_url=name.rstrip("/"))
+    from airflow.sdk import BaseHook
+
+    try:
+        conn = BaseHook.get_connection(name)
+    except Exception as exc:  # noqa: BLE001 - AirflowNotFoundException and friends
+        raise ConfigError(f"server {name!r} is neither an http(s) URL nor a usable Airflow connection: {exc}") from exc
+    host = (conn.host or "").rstrip("/")
+    if not host:
+        raise ConfigError(f"connection {name!r} has no host")
+    if "://" not in host:
+        scheme = conn.schema if conn.schema in ("http", "https") else "http"
+        host = f"{scheme}://{host}"
+    base = f"{host}:{conn.port}" if conn.port else host
+    return ServerSpec(name=name, base_url=base, api_key=conn.password or None)
+
+
+def config_from_params(params: dict[str, Any]) -> RunConfig:
+    with _fail_fast():
+        return RunConfig.from_params(dict(params))
+
+
+def plan(params: dict[str, Any], run_id: str) -> dict[str, Any]:
+    from dflash_pipeline.plan import run_plan
+
+    cfg = config_from_params(params)
+    with _fail_fast():
+        return run_plan(s3_client(cfg.aws_conn_id), cfg, run_id)
+
+
+def preflight(params: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+    from dflash_pipeline.preflight import run_preflight
+
+    cfg = config_from_params(params)
+    with _fail_fast():
+        specs = [resolve_server(s) for s in cfg.servers]
+        return run_preflight(s3_client(cfg.aws_conn_id), cfg, specs, run_id)
+
+
+def _wait_for_server(spec: ServerSpec, deadline_s: float, check: Callable[[], bool]) -> None:
+    from dflash_pipeline.generate import ServerLost
+
+    start = time.monotonic()
+    while not check():
+        waited = time.monotonic() - start
+        if waited >= deadline_s:
+            raise ServerLost(f"server {spec.name} did not answer /health for {waited:.0f}s")
+        logger.warning("server %s not healthy yet; waiting (%.0fs so far)", spec.name, waited)
+        time.sleep(min(5.0, max(0.5, deadline_s / 10)))
+
+
+def generate(
+    params: dict[str, Any],
+    run_id: str,
+    server: dict[str, Any],
+    map_index: int,
+    try_number: int,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Drive one server until the dataset is complete; return a small summary for XCom."""
+    import json
+
+    from dflash_pipeline.generate import Worker, WorkerSettings
+    from dflash_pipeline.sglang import check_health, new_session
+    from dflash_pipeline.store import Store
+
+    cfg = config_from_params(params)
+    with _fail_fast():
+        spec = resolve_server(server["server"])
+        layout = DatasetLayout.from_uri(cfg.output_uri)
+        store = Store(s3_client(cfg.aws_conn_id), layout.bucket)
+        got = store.get(layout.manifest_key)
+        if got is None:
+            raise ConfigError(f"{layout.uri}/manifest.json is missing; plan did not run")
+        manifest = json.loads(got[0])
+        settings = WorkerSettings(
+            run_id=run_id,
+            worker=f"w{map_index:04d}",
+            server=spec,
+            model=server["model"],
+            sampling=cfg.sampling,
+            concurrency=int(server["concurrency"]),
+            request_timeout_s=cfg.request_timeout_s,
+            max_attempts=cfg.max_attempts,
+            server_lost_after_s=cfg.server_lost_after_s,
+            lease_s=cfg.claim_lease_s,
+            try_number=try_number,
+        )
+        worker = Worker(store, layout, manifest, settings, on_progress=on_progress)
+        if worker._all_done():
+            logger.info("every chunk of %s is already committed; nothing to do for %s", layout.uri, spec.name)
+            return {"worker": settings.worker, "server": spec.name, "nothing_to_do": True, "completions": 0}
+        session = new_session()
+        _wait_for_server(spec, cfg.server_lost_after_s, lambda: check_health(session, spec))
+        return worker.run()
+
+
+def validate(params: dict[str, Any]) -> dict[str, Any]:
+    from dflash_pipeline.validate import run_validation
+
+    cfg = config_from_params(params)
+    with _fail_fast():
+        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri)
+    keys = (
+        "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
+        "prompt_tokens", "output_tokens", "reasoning_tokens",
+    )
+    summary = {k: report[k] for k in keys}
+    summary["report_key"] = DatasetLayout.from_uri(cfg.output_uri).report_key
+    return summary
