@@ -158,6 +158,15 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "503), with exponential backoff and jitter. Context-length errors are never retried.",
         "section": SECTION_RUN,
     },
+    "retry_failed_rows": {
+        "type": "string",
+        "enum": ["transient", "all", "none"],
+        "default": "transient",
+        "description": "Which error rows saved by an earlier run into this output_uri are tried again: "
+        "'transient' (timeouts, connection errors, 5xx), 'all' (also context-length and other "
+        "permanent errors) or 'none'.",
+        "section": SECTION_RUN,
+    },
     "server_lost_after_s": {
         "type": "number",
         "default": 120,
@@ -211,6 +220,7 @@ class RunConfig:
     accept_pin_changes: bool = False
     aws_conn_id: str = "aws_default"
     max_attempts: int = 5
+    retry_failed_rows: str = "transient"
     server_lost_after_s: float = 120.0
     claim_lease_s: float = 180.0
 
@@ -262,6 +272,7 @@ class RunConfig:
             accept_pin_changes=bool(get("accept_pin_changes")),
             aws_conn_id=get("aws_conn_id"),
             max_attempts=int(get("max_attempts")),
+            retry_failed_rows=str(get("retry_failed_rows")),
             server_lost_after_s=float(get("server_lost_after_s")),
             claim_lease_s=float(get("claim_lease_s")),
         )
@@ -297,6 +308,8 @@ def _check_schema(name: str, value: Any, schema: dict[str, Any]) -> None:
             raise ConfigError(f"param {name}: {value} is more than the maximum of {schema['maximum']}")
         if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
             raise ConfigError(f"param {name}: {value} must be more than {schema['exclusiveMinimum']}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise ConfigError(f"param {name}: {value!r} is not one of {schema['enum']}")
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         raise ConfigError(f"param {name}: must not be empty")
     if isinstance(value, (list, tuple)):

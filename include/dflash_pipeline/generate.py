@@ -35,7 +35,7 @@ from typing import Any
 
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.records import decode_inputs, encode_part
+from dflash_pipeline.records import decode_inputs, decode_part, encode_part
 from dflash_pipeline.sglang import (
     RequestFailure,
     ServerSpec,
@@ -75,6 +75,7 @@ class WorkerSettings:
     progress_every_s: float = 30.0
     store_deadline_s: float = 600.0
     try_number: int = 1
+    retry_failed_rows: str = "transient"
 
     @property
     def owner(self) -> str:
@@ -88,6 +89,9 @@ class OpenChunk:
     prompts: list[dict[str, Any]]
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     lost: bool = False
+    # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
+    base_rows: list[dict[str, Any]] | None = None
+    part_etag: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -198,6 +202,7 @@ class Worker:
         self._own_stale: set[int] | None = None
         self._done_cache: set[int] = set()
         self._tok_window: deque[tuple[float, int]] = deque()
+        self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
@@ -258,7 +263,8 @@ class Worker:
         }
 
     # -- claims --------------------------------------------------------------------------------
-    def _scan(self) -> tuple[set[int], dict[int, ObjectInfo]]:
+    def _scan(self) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
+        """(committed chunks, live or stale claims of unfinished chunks, chunks to repair)."""
         done = set(self._done_cache)
         for obj in self.store.list(self.layout.completions_prefix):
             c = chunk_of_key(obj.key)
@@ -268,9 +274,40 @@ class Worker:
         claims: dict[int, ObjectInfo] = {}
         for obj in self.store.list(self.layout.claims_prefix):
             c = chunk_of_key(obj.key)
-            if c is not None and c not in done:
+            if c is not None:
                 claims[c] = obj
-        return done, claims
+        repair: set[int] = set()
+        if self.settings.retry_failed_rows != "none":
+            for obj in self.store.list(self.layout.retry_prefix):
+                c = chunk_of_key(obj.key)
+                if c is not None and c in done and self._marker_wants_repair(obj):
+                    repair.add(c)
+        return done, claims, repair
+
+    def _marker_wants_repair(self, obj: ObjectInfo) -> bool:
+        """A marker left by an earlier run (never our own: one repair per chunk per run)."""
+        cached = self._markers.get(obj.key)
+        if cached is None or cached[0] != obj.etag:
+            got = self.store.get(obj.key)
+            if got is None:
+                return False
+            try:
+                body = json.loads(got[0])
+            except ValueError:
+                return False
+            cached = (obj.etag, body)
+            self._markers[obj.key] = cached
+        body = cached[1]
+        if body.get("run_id") == self.settings.run_id:
+            return False
+        if self.settings.retry_failed_rows == "all":
+            return int(body.get("retryable", 0)) + int(body.get("permanent", 0)) > 0
+        return int(body.get("retryable", 0)) > 0
+
+    def _wants_redo(self, row: dict[str, Any]) -> bool:
+        if not row.get("error_class"):
+            return False
+        return self.settings.retry_failed_rows == "all" or bool(row.get("retryable"))
 
     def _claim_body(self) -> bytes:
         s = self.settings
@@ -295,12 +332,13 @@ class Worker:
         return own
 
     def _try_claim(self) -> OpenChunk | None:
-        done, claims = self._scan()
+        done, claims, repair = self._scan()
         if self._own_stale is None:
-            self._own_stale = self._find_own_stale(claims)
+            self._own_stale = self._find_own_stale({c: o for c, o in claims.items() if c not in done or c in repair})
         now = self.store.server_time()
-        for c in range(self.n_chunks):
-            if c in done or c in self.open:
+        unfinished = (c for c in range(self.n_chunks) if c not in done)
+        for c in [*unfinished, *sorted(repair)]:
+            if c in self.open:
                 continue
             info = claims.get(c)
             body = self._claim_body()
@@ -320,17 +358,35 @@ class Worker:
                         logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
             except PreconditionFailed:
                 continue
-            # The chunk may have been committed between our listing and our claim.
-            if self.store.head(self.layout.part_key(c)) is not None:
-                self._done_cache.add(c)
-                self._release(c)
-                continue
-            got = self.store.get(self.layout.input_key(self.plan_id, c))
-            if got is None:
-                raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
-            prompts = decode_inputs(got[0])
-            return OpenChunk(c, etag, prompts)
+            chunk = self._open_claimed(c, etag, repairing=c in repair)
+            if chunk is not None:
+                return chunk
         return None
+
+    def _open_claimed(self, c: int, etag: str, repairing: bool) -> OpenChunk | None:
+        """Load the work of a chunk we now hold, or let go if someone finished it meanwhile."""
+        if repairing:
+            got = self.store.get(self.layout.part_key(c))
+            marker = self.store.head(self.layout.retry_key(c))
+            if got is None or marker is None:
+                self._release(c)
+                return None
+            rows = decode_part(got[0]).to_pylist()
+            redo = [{"id": r["id"], "messages": r["messages"]} for r in rows if self._wants_redo(r)]
+            if not redo:
+                self._release(c)
+                return None
+            logger.info("repairing chunk %d: %d failed row(s) from an earlier run", c, len(redo))
+            return OpenChunk(c, etag, redo, base_rows=rows, part_etag=got[1])
+        # The chunk may have been committed between our listing and our claim.
+        if self.store.head(self.layout.part_key(c)) is not None:
+            self._done_cache.add(c)
+            self._release(c)
+            return None
+        got = self.store.get(self.layout.input_key(self.plan_id, c))
+        if got is None:
+            raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
+        return OpenChunk(c, etag, decode_inputs(got[0]))
 
     def _release(self, c: int) -> None:
         try:
@@ -339,8 +395,9 @@ class Worker:
             logger.warning("could not release claim of chunk %d: %s", c, exc)
 
     def _all_done(self) -> bool:
-        done, _ = self._scan()
-        return len(done & set(range(self.n_chunks))) == self.n_chunks
+        """Every chunk committed and nothing left to repair (by this worker's policy)."""
+        done, _, repair = with_retries(self._scan, what="scan", deadline_s=self.settings.store_deadline_s)
+        return not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
 
     # -- committer thread -----------------------------------------------------------------------
     def _committer(self) -> None:
@@ -369,27 +426,47 @@ class Worker:
                         self._committing -= 1
 
     def _commit(self, chunk: OpenChunk) -> None:
-        rows = [chunk.results[p["id"]] for p in chunk.prompts]
+        if chunk.base_rows is not None:
+            rows = [chunk.results.get(r["id"], r) for r in chunk.base_rows]
+        else:
+            rows = [chunk.results[p["id"]] for p in chunk.prompts]
         data = encode_part(rows)
         key = self.layout.part_key(chunk.index)
         try:
             with_retries(
-                lambda: self.store.put(key, data, if_none_match=True),
+                lambda: self.store.put(
+                    key,
+                    data,
+                    if_none_match=chunk.part_etag is None,
+                    if_match=chunk.part_etag,
+                ),
                 what=f"commit chunk {chunk.index}",
                 deadline_s=self.settings.store_deadline_s,
             )
         except PreconditionFailed:
             self.stats.commits_refused += 1
-            self.stats.rows_discarded += len(rows)
+            self.stats.rows_discarded += len(chunk.results)
             logger.warning(
                 "chunk %d was already committed by another worker; %d rows of ours discarded",
-                chunk.index, len(rows),
+                chunk.index, len(chunk.results),
             )
         else:
             self.stats.chunks_committed += 1
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
+            self._write_marker(chunk.index, rows)
         self._done_cache.add(chunk.index)
         with_retries(lambda: self._release(chunk.index), what="release claim", deadline_s=60)
+
+    def _write_marker(self, c: int, rows: list[dict[str, Any]]) -> None:
+        """Flag a part with error rows so a later run retries them (validation re-creates lost flags)."""
+        retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
+        permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
+        key = self.layout.retry_key(c)
+        if retryable or permanent:
+            body = json.dumps({"run_id": self.settings.run_id, "retryable": retryable, "permanent": permanent})
+            with_retries(lambda: self.store.put(key, body.encode(), content_type="application/json"), what="marker")
+        else:
+            with_retries(lambda: self.store.delete(key), what="marker")
 
     def _renew_leases(self) -> None:
         with self._open_lock:

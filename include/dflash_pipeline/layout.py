@@ -100,6 +100,14 @@ class DatasetLayout:
         return self._k("claims/")
 
     @property
+    def retry_prefix(self) -> str:
+        return self._k("retry/")
+
+    def retry_key(self, chunk: int) -> str:
+        """A marker: this chunk's part holds error rows a later run should try again."""
+        return f"{self.retry_prefix}chunk-{chunk:0{CHUNK_DIGITS}d}.json"
+
+    @property
     def rejects_key(self) -> str:
         return self._k("rejects/rejects.jsonl")
 

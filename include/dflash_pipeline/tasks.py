@@ -136,6 +136,7 @@ def generate(
             server_lost_after_s=cfg.server_lost_after_s,
             lease_s=cfg.claim_lease_s,
             try_number=try_number,
+            retry_failed_rows=cfg.retry_failed_rows,
         )
         worker = Worker(store, layout, manifest, settings, on_progress=on_progress)
         if worker._all_done():

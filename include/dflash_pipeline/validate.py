@@ -217,6 +217,18 @@ def report_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ensure_marker(store: Store, layout: DatasetLayout, c: int, part: dict[str, list[Any]], has: bool) -> None:
+    """Re-create the retry flag of a part with error rows if a killed worker never wrote it."""
+    if has:
+        return
+    errs = [bool(r) for e, r in zip(part["error_class"], part["retryable"]) if e]
+    if not errs:
+        return
+    body = {"run_id": "validation", "retryable": sum(errs), "permanent": len(errs) - sum(errs)}
+    with_retries(lambda: store.put(layout.retry_key(c), json.dumps(body).encode()), what="marker")
+    logger.info("chunk %d has %d error row(s) without a retry flag; flagged for the next run", c, len(errs))
+
+
 def run_validation(client: Any, output_uri: str) -> dict[str, Any]:
     """Check the dataset under `output_uri` against its plan; write report.json / report.md."""
     layout = DatasetLayout.from_uri(output_uri)
@@ -237,6 +249,7 @@ def run_validation(client: Any, output_uri: str) -> dict[str, Any]:
             t.stray_parts.append(obj.key)
         else:
             parts[c] = obj.key
+    markers = {chunk_of_key(o.key) for o in store.list(layout.retry_prefix)}
     seen: set[int] = set()
     for c, size in enumerate(sizes):
         data = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")
@@ -249,6 +262,7 @@ def run_validation(client: Any, output_uri: str) -> dict[str, Any]:
             if blob is not None:
                 table = pq.read_table(io.BytesIO(blob[0]), columns=PART_READ_COLUMNS)
                 part_cols = {name: table.column(name).to_pylist() for name in PART_READ_COLUMNS}
+                _ensure_marker(store, layout, c, part_cols, c in markers)
         tally_chunk(t, planned_ids, part_cols, seen, thinking)
 
     report = build_report(t, manifest, layout)

@@ -1,0 +1,916 @@
+"""Local dev/test stack: real processes on loopback for the demo and the end-to-end tests.
+
+Three pieces, each usable alone or together through :class:`Stack`:
+
+* :class:`MotoServer`: a ``moto_server`` subprocess speaking the S3 protocol over HTTP.
+* :class:`SimFleetProcess`: ``python -m dflash_pipeline.sim`` serving ``count`` simulated SGLang servers.
+* :class:`AirflowStack`: an Airflow 3 deployment (api-server, scheduler, dag-processor, triggerer,
+  LocalExecutor on SQLite) under a private ``AIRFLOW_HOME``, driven through the ``airflow`` CLI and the
+  REST API.
+
+Every process is started in its own process group with its output in a log file, and stopped by
+signalling the whole group (SIGINT, then SIGTERM, then SIGKILL), so nothing outlives the stack.
+
+Nothing here prints; everything is logged through ``logging.getLogger(__name__)``. The admin password
+and the JWT secret are never logged: read :attr:`AirflowStack.password` if you must show it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import requests
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_REGION = "us-east-1"
+#: Credentials moto accepts (any value works; these are the conventional ones).
+MOTO_ACCESS_KEY = "testing"
+MOTO_SECRET_KEY = "testing"  # noqa: S105 - a fake credential for a local fake S3
+ADMIN_USER = "admin"
+TERMINAL_RUN_STATES = frozenset({"success", "failed"})
+StackMode = Literal["standalone", "components"]
+#: The Airflow components started one by one in "components" mode.
+COMPONENTS: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start, died, or did not become ready in time."""
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """Return a TCP port that is free on ``host`` right now (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def venv_bin(name: str) -> str:
+    """Path of executable ``name`` next to the running interpreter (the venv's bin), else on PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise StackError(f"executable {name!r} not found next to {sys.executable} nor on PATH")
+    return found
+
+
+def _tail(path: Path | None, lines: int = 40) -> str:
+    """Last ``lines`` lines of a log file, for error messages."""
+    if path is None or not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids of process group ``pgid``; Linux /proc, falls back to killpg(0)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members: list[int] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may contain spaces, so split after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _describe(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmd = "?"
+    return f"{pid} {cmd.strip()[:80]}"
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _wait_groups_empty(pgids: Sequence[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not any(_group_members(pgid) for pgid in pgids):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def stop_process_groups(
+    procs: Sequence[subprocess.Popen[bytes]],
+    *,
+    name: str,
+    first_signal: signal.Signals = signal.SIGINT,
+    grace_s: float = 15.0,
+    term_grace_s: float = 5.0,
+) -> None:
+    """Stop processes started with ``start_new_session=True`` and everything in their groups.
+
+    Sends ``first_signal`` to every group, waits up to ``grace_s`` for the groups to empty, then
+    SIGTERM (``term_grace_s``), then SIGKILL. Reaps the direct children.
+    """
+    pgids = [p.pid for p in procs]
+    if not pgids:
+        return
+    started = time.monotonic()
+    steps: list[tuple[signal.Signals, float]] = [(first_signal, grace_s)]
+    if first_signal != signal.SIGTERM:
+        steps.append((signal.SIGTERM, term_grace_s))
+    steps.append((signal.SIGKILL, 5.0))
+    for sig, wait_s in steps:
+        if not any(_group_members(pgid) for pgid in pgids):
+            break
+        log.debug("%s: sending %s to process groups %s", name, sig.name, pgids)
+        for pgid in pgids:
+            _signal_group(pgid, sig)
+        if _wait_groups_empty(pgids, wait_s):
+            break
+        log.warning(
+            "%s: still running %.0f s after %s: %s", name, wait_s, sig.name,
+            "; ".join(_describe(pid) for pgid in pgids for pid in _group_members(pgid)),
+        )  # fmt: skip
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    log.info("%s stopped in %.1f s", name, time.monotonic() - started)
+
+
+def _spawn(
+    argv: Sequence[str], *, env: Mapping[str, str] | None, log_path: Path | None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a new session (own process group) with stdout+stderr appended to log_path."""
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out: Any = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    else:
+        out = subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        if log_path is not None:
+            out.close()
+
+
+def _process_memory(pids: Sequence[int]) -> dict[str, int]:
+    """Sum RSS and PSS (bytes) of ``pids`` from /proc/PID/smaps_rollup (PSS avoids double counting)."""
+    total = {"rss_bytes": 0, "pss_bytes": 0, "processes": 0}
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total["processes"] += 1
+        for line in text.splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                total[f"{key.lower()}_bytes"] += int(rest.split()[0]) * 1024
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# S3 (moto)
+
+
+def s3_client(endpoint_url: str, region: str = DEFAULT_REGION) -> Any:
+    """A boto3 S3 client talking to ``endpoint_url`` (moto) with the fake credentials."""
+    import boto3  # local import: boto3 is slow to import and not needed by every user of this module
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region,
+        aws_access_key_id=MOTO_ACCESS_KEY,
+        aws_secret_access_key=MOTO_SECRET_KEY,
+    )
+
+
+def create_bucket(endpoint_url: str, name: str, region: str = DEFAULT_REGION) -> str:
+    """Create bucket ``name`` on the S3 endpoint (no-op if it exists already); return the name."""
+    client = s3_client(endpoint_url, region)
+    try:
+        client.create_bucket(Bucket=name)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    log.info("bucket s3://%s ready on %s", name, endpoint_url)
+    return name
+
+
+def aws_conn_json(endpoint_url: str, region: str = DEFAULT_REGION) -> str:
+    """Value for ``AIRFLOW_CONN_AWS_DEFAULT`` so ``S3Hook(aws_conn_id="aws_default")`` uses moto."""
+    return json.dumps(
+        {
+            "conn_type": "aws",
+            "login": MOTO_ACCESS_KEY,
+            "password": MOTO_SECRET_KEY,
+            "extra": {"endpoint_url": endpoint_url, "region_name": region},
+        }
+    )
+
+
+def aws_env(endpoint_url: str, region: str = DEFAULT_REGION) -> dict[str, str]:
+    """Environment pointing both Airflow's ``aws_default`` connection and plain boto3 at moto."""
+    return {
+        "AIRFLOW_CONN_AWS_DEFAULT": aws_conn_json(endpoint_url, region),
+        "AWS_ACCESS_KEY_ID": MOTO_ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": MOTO_SECRET_KEY,
+        "AWS_DEFAULT_REGION": region,
+        "AWS_ENDPOINT_URL_S3": endpoint_url,
+    }
+
+
+class MotoServer:
+    """``moto_server -H 127.0.0.1 -p PORT`` as a subprocess.
+
+    Usage::
+
+        with MotoServer() as moto:
+            moto.create_bucket("b")
+            client = moto.client()
+    """
+
+    def __init__(
+        self, *, host: str = LOOPBACK, port: int | None = None, log_path: Path | None = None
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        """``http://127.0.0.1:PORT``: the S3 endpoint."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> MotoServer:
+        """Start the server and wait until it answers HTTP."""
+        if self._proc is not None:
+            return self
+        started = time.monotonic()
+        argv = [venv_bin("moto_server"), "-H", self.host, "-p", str(self.port)]
+        self._proc = _spawn(argv, env=None, log_path=self.log_path)
+        deadline = started + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise StackError(
+                    f"moto_server exited with {self._proc.returncode}:\n{_tail(self.log_path)}"
+                )
+            with contextlib.suppress(requests.RequestException):
+                requests.get(self.endpoint_url + "/", timeout=2)
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"moto_server did not answer within {timeout_s} s")
+            time.sleep(0.1)
+        log.info("moto S3 at %s (started in %.1f s)", self.endpoint_url, time.monotonic() - started)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM to its group, then SIGKILL)."""
+        if self._proc is None:
+            return
+        stop_process_groups([self._proc], name="moto_server", first_signal=signal.SIGTERM, grace_s=5)
+        self._proc = None
+
+    def client(self) -> Any:
+        """A boto3 S3 client for this server."""
+        return s3_client(self.endpoint_url)
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (idempotent); return the name."""
+        return create_bucket(self.endpoint_url, name)
+
+    def env(self) -> dict[str, str]:
+        """See :func:`aws_env`."""
+        return aws_env(self.endpoint_url)
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# simulated SGLang fleet
+
+
+class SimFleetProcess:
+    """``python -m dflash_pipeline.sim --count N --urls-file PATH [extra_args]`` as a subprocess.
+
+    ``settings`` is a convenience for ``--set key=value`` pairs (appended after ``extra_args``).
+    :attr:`urls` holds the ``count`` base URLs once :meth:`start` has returned.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        extra_args: Sequence[str] = (),
+        *,
+        settings: Mapping[str, object] | None = None,
+        workdir: Path | None = None,
+    ) -> None:
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        self.count = count
+        self.extra_args = list(extra_args)
+        for key, value in (settings or {}).items():
+            self.extra_args += ["--set", f"{key}={value}"]
+        self._own_workdir = workdir is None
+        self.workdir = workdir
+        self.urls: list[str] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self.workdir is None else self.workdir / "sim.log"
+
+    def start(self, timeout_s: float = 60.0) -> SimFleetProcess:
+        """Start the fleet and wait until the URLs file lists ``count`` URLs."""
+        if self._proc is not None:
+            return self
+        if self.workdir is None:
+            import tempfile
+
+            self.workdir = Path(tempfile.mkdtemp(prefix="dflash-sim-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        urls_file = self.workdir / "urls.txt"
+        urls_file.unlink(missing_ok=True)
+        argv = [
+            sys.executable, "-m", "dflash_pipeline.sim",
+            "--count", str(self.count), "--urls-file", str(urls_file), *self.extra_args,
+        ]  # fmt: skip
+        started = time.monotonic()
+        self._proc = _spawn(argv, env=None, log_path=self.log_path)
+        deadline = started + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise StackError(f"simulated fleet exited with {code}:\n{_tail(self.log_path)}")
+            if urls_file.exists():
+                lines = [ln.strip() for ln in urls_file.read_text().splitlines() if ln.strip()]
+                if len(lines) >= self.count and all(ln.startswith("http") for ln in lines):
+                    self.urls = lines[: self.count]
+                    break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"simulated fleet not listening within {timeout_s} s:\n{_tail(self.log_path)}")
+            time.sleep(0.1)
+        log.info(
+            "simulated fleet of %d at %s (started in %.1f s)",
+            self.count, ", ".join(self.urls), time.monotonic() - started,
+        )  # fmt: skip
+        return self
+
+    def stop(self) -> None:
+        """Stop the fleet (SIGTERM, then SIGKILL)."""
+        if self._proc is None:
+            return
+        stop_process_groups([self._proc], name="simulated fleet", first_signal=signal.SIGTERM, grace_s=10)
+        self._proc = None
+
+    def __enter__(self) -> SimFleetProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Airflow
+
+
+@dataclass(frozen=True)
+class TaskInstanceInfo:
+    """One task instance of a run, from ``GET /api/v2/dags/{dag}/dagRuns/{run}/taskInstances``."""
+
+    task_id: str
+    map_index: int  # -1 for an unmapped task
+    state: str | None  # None before the scheduler has looked at it
+    try_number: int
+    hostname: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_rest(cls, item: Mapping[str, Any]) -> TaskInstanceInfo:
+        return cls(
+            task_id=str(item["task_id"]),
+            map_index=int(item.get("map_index", -1)),
+            state=item.get("state"),
+            try_number=int(item.get("try_number") or 0),
+            hostname=item.get("hostname") or None,
+            raw=dict(item),
+        )
+
+
+class AirflowStack:
+    """A private Airflow 3 deployment on loopback.
+
+    ``home`` becomes ``AIRFLOW_HOME`` (SQLite DB, logs, component logs under ``home/stack-logs``).
+    ``extra_dag_folders`` maps bundle names to more local folders parsed as DAG bundles beside the
+    default ``dags-folder`` bundle (``dags_folder``); the tests use one for throw-away DAGs.
+    ``env_extra`` is added last to the components' environment (AIRFLOW__*, AIRFLOW_CONN_*, ...).
+    Inherited ``AIRFLOW__*``/``AIRFLOW_CONN_*``/``AIRFLOW_VAR_*`` variables are dropped so the stack is
+    hermetic. ``mode`` "components" (default) runs ``airflow db migrate`` then the four components
+    as separate processes; "standalone" runs ``airflow standalone``.
+
+    :meth:`start` returns once the API answers health 200 with a healthy scheduler and dag-processor,
+    and every DAG in ``wait_for_dags`` is parsed. :meth:`trigger` waits for its DAG to be parsed too.
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        dags_folder: Path,
+        plugins_folder: Path | None = None,
+        env_extra: Mapping[str, str] | None = None,
+        *,
+        extra_dag_folders: Mapping[str, Path] | None = None,
+        parallelism: int = 4,
+        mode: StackMode = "components",
+        port: int | None = None,
+        wait_for_dags: Sequence[str] = ("dflash_generate",),
+        dag_refresh_interval_s: int = 5,
+    ) -> None:
+        self.home = Path(home).resolve()
+        self.dags_folder = Path(dags_folder).resolve()
+        self.plugins_folder = (
+            Path(plugins_folder).resolve() if plugins_folder is not None else self.home / "plugins"
+        )
+        self.extra_dag_folders = {k: Path(v).resolve() for k, v in (extra_dag_folders or {}).items()}
+        self.parallelism = parallelism
+        self.mode: StackMode = mode
+        self.port = port or free_port()
+        self.wait_for_dags = tuple(wait_for_dags)
+        self.dag_refresh_interval_s = dag_refresh_interval_s
+        self._env_extra = dict(env_extra or {})
+        self._password = secrets.token_urlsafe(12)
+        self._jwt_secret = secrets.token_urlsafe(64)  # 86 characters: above the 64-byte minimum
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._token: str | None = None
+        self._session = requests.Session()
+        self._parsed_dags: set[str] = set()
+        self.env: dict[str, str] = self._build_env()
+        self.startup_s: float | None = None
+
+    def __repr__(self) -> str:  # never shows the secrets
+        return f"AirflowStack(home={self.home}, url={self.url}, mode={self.mode})"
+
+    # ----- configuration
+
+    @property
+    def url(self) -> str:
+        """Base URL of the API server and UI, ``http://127.0.0.1:PORT``."""
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def username(self) -> str:
+        return ADMIN_USER
+
+    @property
+    def password(self) -> str:
+        """The admin password (generated per stack). Show it only where a human needs it."""
+        return self._password
+
+    @property
+    def logs_dir(self) -> Path:
+        """Where the components' stdout/stderr go (one file per process)."""
+        return self.home / "stack-logs"
+
+    def ui_run_url(self, dag_id: str, run_id: str) -> str:
+        """The UI page of a DAG run."""
+        from urllib.parse import quote
+
+        return f"{self.url}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+
+    def _build_env(self) -> dict[str, str]:
+        from cryptography.fernet import Fernet
+
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("AIRFLOW__", "AIRFLOW_CONN_", "AIRFLOW_VAR_")) and k != "AIRFLOW_HOME"
+        }
+        bin_dir = str(Path(sys.executable).parent)
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+        passwords_file = self.home / "simple_auth_manager_passwords.json"
+        bundles = [{"name": "dags-folder", "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+                    "kwargs": {}}]  # fmt: skip
+        for name, path in self.extra_dag_folders.items():
+            bundles.append({"name": name, "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+                            "kwargs": {"path": str(path)}})  # fmt: skip
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.plugins_folder),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN_USER}:admin",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords_file),
+                "AIRFLOW__API_AUTH__JWT_SECRET": self._jwt_secret,
+                "AIRFLOW__API__SECRET_KEY": secrets.token_urlsafe(32),
+                "AIRFLOW__API__HOST": LOOPBACK,
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__API__WORKERS": "1",
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": str(self.dag_refresh_interval_s),
+                "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps(bundles),
+                # Several stacks (demo + tests) may run at once: no fixed ports.
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self._env_extra)
+        return env
+
+    def _prepare_home(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.plugins_folder.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        passwords_file = Path(self.env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
+        fd = os.open(passwords_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({ADMIN_USER: self._password}, fh)
+
+    # ----- life cycle
+
+    @property
+    def running(self) -> bool:
+        return bool(self._procs)
+
+    def launch(self) -> None:
+        """Start the processes without waiting for readiness (see :meth:`wait_ready`)."""
+        if self._procs:
+            return
+        self._launched_at = time.monotonic()
+        self._prepare_home()
+        airflow = venv_bin("airflow")
+        if self.mode == "standalone":
+            self._procs["standalone"] = _spawn(
+                [airflow, "standalone"], env=self.env, log_path=self.logs_dir / "standalone.log",
+                cwd=self.home,
+            )  # fmt: skip
+        else:
+            migrate = self.cli("db", "migrate", timeout_s=300)
+            if migrate.returncode != 0:
+                raise StackError(f"airflow db migrate failed:\n{migrate.stdout[-3000:]}{migrate.stderr[-3000:]}")
+            for component in COMPONENTS:
+                self._procs[component] = _spawn(
+                    [airflow, component], env=self.env, log_path=self.logs_dir / f"{component}.log",
+                    cwd=self.home,
+                )  # fmt: skip
+        log.info("airflow (%s) launched under %s, API %s", self.mode, self.home, self.url)
+
+    def start(self, timeout_s: float = 240.0) -> AirflowStack:
+        """Launch and wait until ready; stops what it started if that fails."""
+        self.launch()
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _check_alive(self) -> None:
+        for name, proc in self._procs.items():
+            if proc.poll() is not None:
+                raise StackError(
+                    f"airflow {name} exited with {proc.returncode}:\n{_tail(self.logs_dir / f'{name}.log')}"
+                )
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """Wait for health 200 (scheduler and dag-processor healthy) and for ``wait_for_dags``."""
+        deadline = time.monotonic() + timeout_s
+        last: str = "no answer"
+        while True:
+            self._check_alive()
+            try:
+                resp = self._session.get(f"{self.url}/api/v2/monitor/health", timeout=5)
+                if resp.status_code == 200:
+                    health = resp.json()
+                    states = {k: (v or {}).get("status") for k, v in health.items()}
+                    if all(states.get(k) == "healthy" for k in ("metadatabase", "scheduler", "dag_processor")):
+                        break
+                    last = f"health {states}"
+                else:
+                    last = f"health HTTP {resp.status_code}"
+            except requests.RequestException as exc:
+                last = type(exc).__name__
+            if time.monotonic() > deadline:
+                raise StackError(f"airflow not healthy within {timeout_s} s ({last}); logs in {self.logs_dir}")
+            time.sleep(0.5)
+        log.info("airflow healthy after %.1f s", time.monotonic() - self._launched_at)
+        for dag_id in self.wait_for_dags:
+            self.wait_dag(dag_id, timeout_s=max(5.0, deadline - time.monotonic()))
+        self.startup_s = time.monotonic() - self._launched_at
+        log.info("airflow ready after %.1f s: %s", self.startup_s, self.url)
+
+    def stop(self) -> None:
+        """SIGINT to every process group, ~15 s grace, then SIGTERM, then SIGKILL."""
+        if not self._procs:
+            return
+        stop_process_groups(list(self._procs.values()), name=f"airflow ({self.mode})", grace_s=15.0)
+        self._procs.clear()
+        self._token = None
+
+    def __enter__(self) -> AirflowStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def pids(self) -> list[int]:
+        """All live pids of the stack's process groups (components, executor workers, parsers...)."""
+        return [pid for proc in self._procs.values() for pid in _group_members(proc.pid)]
+
+    def memory_usage(self) -> dict[str, int]:
+        """``{"rss_bytes", "pss_bytes", "processes"}`` summed over :meth:`pids`."""
+        return _process_memory(self.pids())
+
+    # ----- CLI
+
+    def cli(self, *args: str, timeout_s: float = 180.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+        """Run ``airflow ARGS...`` with the stack's environment; return the CompletedProcess (text)."""
+        started = time.monotonic()
+        result = subprocess.run(
+            [venv_bin("airflow"), *args],
+            env=self.env,
+            cwd=self.home,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        log.debug("airflow %s -> %d in %.1f s", " ".join(args[:3]), result.returncode, time.monotonic() - started)
+        if check and result.returncode != 0:
+            raise StackError(f"airflow {' '.join(args[:3])} exited {result.returncode}:\n{result.stderr[-3000:]}")
+        return result
+
+    def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None, run_id: str | None = None) -> str:
+        """``airflow dags trigger DAG --conf JSON --run-id RUN``; return the run id.
+
+        Waits for the DAG to be parsed first. ``run_id`` defaults to ``manual__devstack_<UTC time>_<hex>``.
+        Raises :class:`StackError` with the CLI's output if the trigger is refused (e.g. bad params).
+        """
+        self.wait_dag(dag_id)
+        if run_id is None:
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+            run_id = f"manual__devstack_{stamp}_{secrets.token_hex(3)}"
+        args = ["dags", "trigger", dag_id, "--run-id", run_id, "--output", "json"]
+        if conf is not None:
+            args += ["--conf", json.dumps(conf)]
+        result = self.cli(*args)
+        if result.returncode != 0 or run_id not in result.stdout:
+            raise StackError(
+                f"airflow dags trigger {dag_id} failed ({result.returncode}):\n"
+                f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+            )
+        log.info("triggered %s run %s", dag_id, run_id)
+        return run_id
+
+    # ----- REST
+
+    def token(self) -> str:
+        """A bearer token from ``POST /auth/token`` (cached)."""
+        if self._token is None:
+            resp = self._session.post(
+                f"{self.url}/auth/token",
+                json={"username": ADMIN_USER, "password": self._password},
+                timeout=10,
+            )
+            if resp.status_code not in (200, 201):
+                raise StackError(f"POST /auth/token answered {resp.status_code}")
+            self._token = str(resp.json()["access_token"])
+        return self._token
+
+    def rest(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,  # noqa: A002 - mirrors requests' argument
+        *,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float = 30.0,
+    ) -> requests.Response:
+        """Authenticated request to ``self.url + path`` (e.g. ``/api/v2/dags``); returns the Response.
+
+        The status is not checked (tests assert on 400s); a 401 renews the token once.
+        """
+        url = self.url + (path if path.startswith("/") else "/" + path)
+        for attempt in (1, 2):
+            resp = self._session.request(
+                method, url, json=json, params=params, timeout=timeout_s,
+                headers={"Authorization": f"Bearer {self.token()}"},
+            )  # fmt: skip
+            if resp.status_code == 401 and attempt == 1:
+                self._token = None
+                continue
+            return resp
+        raise AssertionError("unreachable")
+
+    def wait_dag(self, dag_id: str, timeout_s: float = 120.0) -> None:
+        """Wait until ``GET /api/v2/dags/DAG`` answers 200 (the DAG is parsed and serialized)."""
+        if dag_id in self._parsed_dags:
+            return
+        started = time.monotonic()
+        while True:
+            self._check_alive()
+            if self.rest("GET", f"/api/v2/dags/{dag_id}").status_code == 200:
+                break
+            if time.monotonic() - started > timeout_s:
+                errors = self.rest("GET", "/api/v2/importErrors").text[-3000:]
+                raise StackError(f"DAG {dag_id!r} not parsed within {timeout_s} s; import errors: {errors}")
+            time.sleep(0.5)
+        self._parsed_dags.add(dag_id)
+        log.info("DAG %s parsed (waited %.1f s)", dag_id, time.monotonic() - started)
+
+    def get_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        """``GET /api/v2/dags/DAG/dagRuns/RUN`` as a dict (raises StackError if not 200)."""
+        resp = self.rest("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")
+        if resp.status_code != 200:
+            raise StackError(f"GET dagRun {dag_id}/{run_id}: HTTP {resp.status_code} {resp.text[:500]}")
+        return dict(resp.json())
+
+    def wait_run(
+        self,
+        dag_id: str,
+        run_id: str,
+        timeout_s: float = 600.0,
+        *,
+        poll_s: float = 1.0,
+        on_poll: Callable[[dict[str, Any]], None] | None = None,
+    ) -> str:
+        """Poll the run until it is ``success`` or ``failed``; return that state.
+
+        ``on_poll(run_dict)`` is called after every poll (the demo prints task states from it).
+        Raises TimeoutError with the last state after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive()
+            run = self.get_run(dag_id, run_id)
+            if on_poll is not None:
+                on_poll(run)
+            state = str(run.get("state"))
+            if state in TERMINAL_RUN_STATES:
+                log.info("run %s/%s finished: %s", dag_id, run_id, state)
+                return state
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {dag_id}/{run_id} still {state} after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[TaskInstanceInfo]:
+        """All task instances of a run (all map indexes, paginated), sorted by (task_id, map_index)."""
+        items: list[dict[str, Any]] = []
+        while True:
+            resp = self.rest(
+                "GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances",
+                params={"limit": 100, "offset": len(items)},
+            )  # fmt: skip
+            if resp.status_code != 200:
+                raise StackError(f"GET taskInstances {dag_id}/{run_id}: HTTP {resp.status_code} {resp.text[:500]}")
+            body = resp.json()
+            page = body.get("task_instances", [])
+            items.extend(page)
+            if not page or len(items) >= int(body.get("total_entries", len(items))):
+                break
+        tis = [TaskInstanceInfo.from_rest(item) for item in items]
+        return sorted(tis, key=lambda ti: (ti.task_id, ti.map_index))
+
+
+# --------------------------------------------------------------------------------------------------
+# everything together
+
+
+class Stack:
+    """moto S3 + simulated SGLang fleet + Airflow, started together and stopped in reverse order.
+
+    Usage::
+
+        with Stack(home, dags_folder, plugins_folder, buckets=["dflash-demo"]) as stack:
+            run_id = stack.airflow.trigger("dflash_generate", {..., "servers": stack.server_urls})
+            stack.airflow.wait_run("dflash_generate", run_id)
+
+    ``sim_count=0`` skips the fleet. ``sim_settings`` become ``--set key=value`` for the fleet.
+    Airflow's environment gets :func:`aws_env` for the moto endpoint plus ``env_extra``.
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        dags_folder: Path,
+        plugins_folder: Path | None = None,
+        *,
+        sim_count: int = 3,
+        sim_settings: Mapping[str, object] | None = None,
+        sim_extra_args: Sequence[str] = (),
+        buckets: Sequence[str] = (),
+        env_extra: Mapping[str, str] | None = None,
+        parallelism: int = 4,
+        mode: StackMode = "components",
+        wait_for_dags: Sequence[str] = ("dflash_generate",),
+        extra_dag_folders: Mapping[str, Path] | None = None,
+    ) -> None:
+        self.home = Path(home).resolve()
+        self.moto = MotoServer(log_path=self.home / "stack-logs" / "moto.log")
+        self.fleet: SimFleetProcess | None = (
+            SimFleetProcess(sim_count, sim_extra_args, settings=sim_settings, workdir=self.home / "sim")
+            if sim_count > 0
+            else None
+        )
+        self.buckets = list(buckets)
+        self.airflow = AirflowStack(
+            self.home / "airflow", dags_folder, plugins_folder,
+            {**self.moto.env(), **(env_extra or {})},
+            parallelism=parallelism, mode=mode, wait_for_dags=wait_for_dags,
+            extra_dag_folders=extra_dag_folders,
+        )  # fmt: skip
+        self._exit = contextlib.ExitStack()
+
+    @property
+    def server_urls(self) -> list[str]:
+        return list(self.fleet.urls) if self.fleet is not None else []
+
+    def s3(self) -> Any:
+        """boto3 S3 client for the stack's moto."""
+        return self.moto.client()
+
+    def start(self) -> Stack:
+        started = time.monotonic()
+        with contextlib.ExitStack() as guard:
+            self.moto.start()
+            guard.callback(self.moto.stop)
+            for bucket in self.buckets:
+                self.moto.create_bucket(bucket)
+            self.airflow.launch()  # the slow part: boot it while the fleet starts
+            guard.callback(self.airflow.stop)
+            if self.fleet is not None:
+                self.fleet.start()
+                guard.callback(self.fleet.stop)
+            self.airflow.wait_ready()
+            self._exit = guard.pop_all()
+        log.info("stack ready in %.1f s", time.monotonic() - started)
+        return self
+
+    def stop(self) -> None:
+        """Stop Airflow, the fleet and moto (reverse order of start)."""
+        self._exit.close()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
