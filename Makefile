@@ -1,0 +1,50 @@
+# Local development: everything runs from .venv; nothing else is needed but Python >= 3.11.
+#   make venv         create/refresh .venv (only when requirements/constraints/pyproject change)
+#   make test         the whole suite (PYTEST_ARGS='tests/unit -q' narrows it)
+#   make test-fast    without the slow end-to-end tests
+#   make demo         the pipeline end to end on a local stack (scripts/demo.py; DEMO_ARGS='--keep')
+#   make sample-data  regenerate data/sample_prompts.jsonl
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+# python3.11 if it exists by that name, else python3; must be >= 3.11.
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
+
+.PHONY: help venv test test-fast demo sample-data clean-stack
+
+help:
+	@sed -n 's/^#   //p' Makefile
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	@test -n "$(PYTHON)" || { echo "no python3.11 or python3 on PATH" >&2; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || \
+	  { echo "$(PYTHON) is $$($(PYTHON) -V 2>&1); Python >= 3.11 is required (set PYTHON=...)" >&2; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt -c constraints.txt
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# No path given: pytest runs testpaths (tests/); PYTEST_ARGS='tests/e2e -q' narrows it.
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+sample-data: $(STAMP)
+	$(PY) scripts/make_sample_prompts.py
+
+clean-stack:
+	rm -rf .stack

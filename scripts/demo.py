@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""The demo: the whole pipeline on this machine, with nothing but the venv.
+
+Starts a local stack (moto S3, 3 simulated SGLang servers, Airflow with LocalExecutor), uploads
+data/sample_prompts.jsonl, triggers ``dflash_generate`` through the ``airflow dags trigger`` CLI,
+follows the run, prints the report, the UI link and the S3 paths, then stops everything it
+started (``--keep`` leaves it running until Ctrl-C).
+
+    make demo                     # or: .venv/bin/python scripts/demo.py [--keep] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "include"))  # works even before `pip install -e .`
+
+from dflash_pipeline.devstack import Stack, TaskInstanceInfo  # noqa: E402
+
+log = logging.getLogger("demo")
+
+BUCKET = "dflash-demo"
+PROMPTS_KEY = "prompts/sample_prompts.jsonl"
+OUTPUT_PREFIX = "runs/demo"
+TOKENIZER_PREFIX = "models/sim-tokenizer"
+DAG_ID = "dflash_generate"
+MODEL = "Qwen/Qwen3-8B"
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # same clean shutdown as Ctrl-C
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
+    if isinstance(value, list):
+        return ", ".join(map(str, value[:5])) + (" ..." if len(value) > 5 else "") if value else "-"
+    return "-" if value is None else str(value)
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(line)
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths)))
+
+
+def print_report(report: dict[str, Any]) -> None:
+    per_server = report.get("per_server") or {}
+    nested = ("per_server", "checks", "token_stats", "token_recount", "files", "defect_ids_sample", "thresholds")
+    scalars = [[k, _fmt_value(v)] for k, v in report.items() if k not in nested]
+    print_table(["figure", "value"], scalars)
+    if per_server:
+        print()
+        cols = sorted({k for s in per_server.values() for k in s})
+        print_table(["server", *cols], [[name, *(_fmt_value(s.get(c)) for c in cols)] for name, s in per_server.items()])
+
+
+class Follower:
+    """Prints each task instance's state when it changes."""
+
+    def __init__(self, stack: Stack, run_id: str) -> None:
+        self.stack = stack
+        self.run_id = run_id
+        self.started = time.monotonic()
+        self.seen: dict[tuple[str, int], str | None] = {}
+        self.run_state: str | None = None
+        self.peak_memory = {"pss_bytes": 0, "rss_bytes": 0, "processes": 0}
+
+    def __call__(self, run: dict[str, Any]) -> None:
+        mem = self.stack.airflow.memory_usage()
+        if mem["pss_bytes"] > self.peak_memory["pss_bytes"]:
+            self.peak_memory = mem
+        stamp = f"{time.monotonic() - self.started:6.1f}s"
+        if run.get("state") != self.run_state:
+            self.run_state = run.get("state")
+            print(f"  {stamp}  run {self.run_state}", flush=True)
+        tis: list[TaskInstanceInfo] = self.stack.airflow.task_instances(DAG_ID, self.run_id)
+        for ti in tis:
+            key = (ti.task_id, ti.map_index)
+            if self.seen.get(key, "<new>") != ti.state:
+                self.seen[key] = ti.state
+                name = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
+                tries = f" (try {ti.try_number})" if ti.try_number > 1 else ""
+                print(f"  {stamp}  {name:<22} {ti.state or 'none'}{tries}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run dflash_generate end to end on a local stack.")
+    parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
+    parser.add_argument("--prompts", type=Path, default=REPO / "data" / "sample_prompts.jsonl")
+    parser.add_argument("--servers", type=int, default=3, help="simulated SGLang servers")
+    parser.add_argument("--length-scale", type=float, default=0.05, help="simulated completion length factor")
+    parser.add_argument("--token-time-s", type=float, default=0.002, help="simulated seconds per token")
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the run")
+    parser.add_argument("--home", type=Path, default=REPO / ".stack" / "demo",
+                        help="stack state (wiped at start)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the stack's steps")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+
+    if not args.prompts.exists():
+        print(f"{args.prompts} is missing: run `make sample-data`", file=sys.stderr)
+        return 2
+    args.home.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(args.home.parent / f".{args.home.name}.lock", "w")  # noqa: SIM115 - held until exit
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another demo is running with --home {args.home}; stop it or pass another --home", file=sys.stderr)
+        return 2
+    if args.home.exists():
+        shutil.rmtree(args.home)
+    stack = Stack(
+        args.home, REPO / "dags", REPO / "plugins",
+        sim_count=args.servers,
+        sim_settings={"length_scale": args.length_scale, "token_time_s": args.token_time_s},
+        buckets=[BUCKET],
+        wait_for_dags=(DAG_ID,),
+    )  # fmt: skip
+    prompts_uri = f"s3://{BUCKET}/{PROMPTS_KEY}"
+    output_uri = f"s3://{BUCKET}/{OUTPUT_PREFIX}"
+    print(f"Starting moto S3, {args.servers} simulated SGLang servers and Airflow under {args.home} ...", flush=True)
+    t0 = time.monotonic()
+    state: str | None = None
+    try:
+        with stack:
+            af = stack.airflow
+            print(f"Stack up in {time.monotonic() - t0:.0f} s: Airflow {af.url}, S3 {stack.moto.endpoint_url}")
+            stack.s3().upload_file(str(args.prompts), BUCKET, PROMPTS_KEY)
+            print(f"Uploaded {args.prompts.relative_to(REPO) if args.prompts.is_relative_to(REPO) else args.prompts}"
+                  f" -> {prompts_uri}")
+            # The simulator's own tokenizer (exact for its texts): validation recounts tokens with it.
+            from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
+
+            tok_dir = build_sim_tokenizer(args.home / "tokenizer")
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
+            conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,
+                    "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}"}
+            print(f"airflow dags trigger {DAG_ID} --conf '{json.dumps(conf)}'", flush=True)
+            t1 = time.monotonic()
+            run_id = af.trigger(DAG_ID, conf)
+            print(f"Run {run_id}")
+            follower = Follower(stack, run_id)
+            state = af.wait_run(DAG_ID, run_id, timeout_s=args.timeout, poll_s=1.0, on_poll=follower)
+            mem = follower.peak_memory
+            print(f"\nRun finished: {state.upper()} in {time.monotonic() - t1:.0f} s "
+                  f"(Airflow peak memory: PSS {mem['pss_bytes'] >> 20} MiB, RSS {mem['rss_bytes'] >> 20} MiB, "
+                  f"{mem['processes']} processes)\n")
+
+            report_key = f"{OUTPUT_PREFIX}/report.json"
+            try:
+                report = json.loads(stack.s3().get_object(Bucket=BUCKET, Key=report_key)["Body"].read())
+            except Exception as exc:  # noqa: BLE001 - a failed run may have no report
+                print(f"No report at s3://{BUCKET}/{report_key}: {type(exc).__name__}")
+            else:
+                print(f"Report (s3://{BUCKET}/{report_key}):")
+                print_report(report)
+            print()
+            print(f"UI:     {af.ui_run_url(DAG_ID, run_id)}")
+            print(f"login:  {af.username} / {af.password}")
+            print(f"S3:     endpoint {stack.moto.endpoint_url} (access key testing / testing)")
+            print(f"        prompts {prompts_uri}")
+            print(f"        output  {output_uri}/  (report.json, report.md, manifest, parts)")
+            print(f"        e.g. AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing aws --endpoint-url "
+                  f"{stack.moto.endpoint_url} s3 ls --recursive s3://{BUCKET}/{OUTPUT_PREFIX}/")
+            print(f"Logs:   {af.logs_dir}")
+            if args.keep:
+                print("\nThe stack keeps running. Press Ctrl-C (or kill -TERM this process) to stop it.", flush=True)
+                while True:
+                    time.sleep(3600)
+            print("\nStopping everything the demo started ...", flush=True)
+    except KeyboardInterrupt:
+        print("\nStopped everything the demo started (Airflow, the simulated servers, moto).")
+        if state is None:  # interrupted before the run finished
+            return 130
+    else:
+        print("Stopped: Airflow, the simulated servers and moto are down.")
+    return 0 if state == "success" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
