@@ -49,6 +49,9 @@ from dflash_pipeline.store import ObjectInfo, PreconditionFailed, Store, StoreUn
 logger = logging.getLogger(__name__)
 
 
+MAX_REQUEUES = 3
+
+
 class ServerLost(Exception):
     """The server stopped answering for good; its work was released. Airflow may retry later."""
 
@@ -72,7 +75,7 @@ class WorkerSettings:
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 30.0
     poll_s: float = 1.0
-    progress_every_s: float = 30.0
+    progress_every_s: float = 10.0
     store_deadline_s: float = 600.0
     try_number: int = 1
     retry_failed_rows: str = "transient"
@@ -105,6 +108,8 @@ class _Outcome:
     row: dict[str, Any] | None = None
     failure: RequestFailure | None = None
     first_failure_t: float | None = None
+    last_failure_t: float | None = None
+    done_t: float = 0.0
     attempts: int = 0
 
 
@@ -203,6 +208,7 @@ class Worker:
         self._done_cache: set[int] = set()
         self._tok_window: deque[tuple[float, int]] = deque()
         self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._requeues: dict[str, int] = {}
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
@@ -216,10 +222,12 @@ class Worker:
                 return out
             try:
                 completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
+                out.done_t = time.monotonic()
             except RequestFailure as exc:
                 out.failure = exc
+                out.last_failure_t = time.monotonic()
                 if out.first_failure_t is None:
-                    out.first_failure_t = time.monotonic()
+                    out.first_failure_t = out.last_failure_t
                 if not exc.transient or attempt == s.max_attempts:
                     return out
                 delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
@@ -529,7 +537,7 @@ class Worker:
             self._maybe_drop(chunk)
             return
         if out.row is not None:
-            self._last_success_t = time.monotonic()
+            self._last_success_t = max(self._last_success_t, out.done_t)
             self._suspect_since = None
             row = out.row
             self.stats.completions += 1
@@ -541,9 +549,16 @@ class Worker:
             assert f is not None
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
-            if f.transient and (out.first_failure_t or 0) >= self._last_success_t:
-                # Nothing succeeded since this request started failing: the server, not the prompt,
-                # is the problem. Put it back; it is not an error row.
+            pid = out.prompt["id"]
+            if (
+                f.transient
+                and (out.last_failure_t or 0) >= self._last_success_t
+                and self._requeues.get(pid, 0) < MAX_REQUEUES
+            ):
+                # Nothing succeeded since this request last failed: the server, not the prompt, is
+                # the problem. Put it back; it is not an error row. (Bounded, so one prompt that
+                # always fails on a healthy server still ends as an error row.)
+                self._requeues[pid] = self._requeues.get(pid, 0) + 1
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
                 if self._suspect_since is None:
@@ -584,27 +599,54 @@ class Worker:
             )
 
     def _progress(self, force: bool = False) -> None:
+        """Log one compact line and hand a snapshot to `on_progress` (the page and ETA read it).
+
+        Counts are this try's; `rows_pending_commit` are finished rows not yet in a part, and
+        `chunks_done_total` is this worker's latest view of the parts committed by anyone (earlier
+        runs included), so the reader can tell done prompts from submitted ones.
+        """
         now = time.monotonic()
         while self._tok_window and now - self._tok_window[0][0] > 120:
             self._tok_window.popleft()
         window_tokens = sum(t for _, t in self._tok_window)
         span = min(120.0, max(1e-9, now - self.stats.started_t))
+        with self._open_lock:
+            pending_rows = sum(len(ch.results) for ch in self.open.values() if not ch.lost)
+        pending_rows += sum(len(ch.results) for ch in list(self._commit_q.queue) if ch is not None)
+        done_chunks = self._done_cache & set(range(self.n_chunks))
+        s = self.settings
         snapshot = {
-            "worker": self.settings.worker,
-            "server": self.settings.server.name,
+            "run_id": s.run_id,
+            "worker": s.worker,
+            "server": s.server.name,
+            "try_number": s.try_number,
+            "concurrency": s.concurrency,
+            "state": "done" if force else ("failing" if self._suspect_since is not None else "running"),
+            "elapsed_s": round(now - self.stats.started_t, 1),
             "completions": self.stats.completions,
             "errors": self.stats.errors,
             "errors_by_class": dict(self.stats.errors_by_class),
+            "requests_sent": self.stats.requests_sent,
+            "requests_requeued": self.stats.requests_requeued,
+            "rows_discarded": self.stats.rows_discarded,
             "chunks_committed": self.stats.chunks_committed,
+            "chunks_taken_over": self.stats.chunks_taken_over,
+            "chunks_lost_to_others": self.stats.chunks_lost_to_others,
             "in_flight": self.in_flight,
+            "ready": len(self.pending),
             "open_chunks": len(self.open),
+            "rows_pending_commit": pending_rows,
+            "chunks_total": self.n_chunks,
+            "chunks_done_total": len(done_chunks),
+            "prompts_total": sum(self.sizes),
+            "prompts_committed_total": sum(self.sizes[c] for c in done_chunks),
             "output_tokens": self.stats.output_tokens,
             "output_tokens_per_s": round(window_tokens / span, 1),
         }
         logger.info(
-            "progress %s: completions=%d errors=%d chunks_committed=%d in_flight=%d tok/s=%.0f",
-            snapshot["server"], snapshot["completions"], snapshot["errors"], snapshot["chunks_committed"],
-            snapshot["in_flight"], snapshot["output_tokens_per_s"],
+            "progress %s: done=%d err=%d inflight=%d parts=%d/%d tok/s=%.0f",
+            snapshot["server"], snapshot["completions"], snapshot["errors"], snapshot["in_flight"],
+            snapshot["chunks_done_total"], snapshot["chunks_total"], snapshot["output_tokens_per_s"],
         )
         if self.on_progress:
             self.on_progress(snapshot)
