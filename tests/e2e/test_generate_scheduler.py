@@ -84,6 +84,7 @@ def _start_failing_run(stack: AirflowStack, fleet: Any, s3: Any, bucket: str, ro
         "output_uri": f"s3://{bucket}/ds/{root}",
         "servers": [f"bf_gpu{i}" for i in range(len(fleet.servers))],
         "save_every": 20,
+        "claim_lease_s": 15,
     }
     run_id = stack.trigger(DAG, conf)
     deadline = time.monotonic() + 120
@@ -144,6 +145,25 @@ def test_backfill_failed_shards(airflow_stack: AirflowStack, sim_fleet, s3_clien
     # flight (concurrency 6) and the refused ones (another 6) when the key was rotated.
     wasted = _requests(fleet) - n
     assert wasted <= 2 * (conf["save_every"] + 6 + 6), f"{wasted} requests beyond one per prompt"
+    _assert_no_secret(airflow_stack, final_run, key, s3_client, bucket, f"ds/{root}")
+
+
+def _assert_no_secret(stack: AirflowStack, run_id: str, key: str, s3: Any, bucket: str, root: str) -> None:
+    """The API key lives in the connection only: not in task logs, XCom, manifest, report or parts."""
+    for path in stack.home.rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".json", ".txt", "") and path.stat().st_size < 50_000_000:
+            if "connections" in path.parts:
+                continue
+            assert key.encode() not in path.read_bytes(), f"API key found in {path}"
+    for ti in stack.task_instances(DAG, run_id):
+        resp = stack.rest(
+            "GET", f"/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/{ti.task_id}/xcomEntries",
+            params={"map_index": ti.map_index, "deserialize": "true"},
+        )
+        assert resp.status_code == 200, resp.text
+        assert key not in resp.text, f"API key in XCom of {ti.task_id}[{ti.map_index}]"
+    for obj in s3.list_objects_v2(Bucket=bucket, Prefix=root + "/").get("Contents", []):
+        assert key.encode() not in s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read(), obj["Key"]
 
 
 def test_sigkill_of_a_generate_task_then_retry(airflow_stack: AirflowStack, sim_fleet, s3_client, bucket) -> None:
