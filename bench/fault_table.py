@@ -57,7 +57,8 @@ def main() -> int:
                 time.sleep(30.0)
                 cut.restore()
 
-            rows.append(run_scenario("s3-outage-30s", "TCP forwarder to S3 cut for 30 s mid-run", s3_client=s3, bucket="faults", fleet=fleet, n=600, during=during, store_client=client))
+            rows.append(run_scenario("s3-outage-30s", "TCP forwarder to S3 cut for 30 s mid-run", s3_client=s3, bucket="faults", fleet=fleet, n=600, during=during, store_client=client,
+                           params={"claim_lease_s": 120}))
             cut.stop()
     print("| fault | how injected | runs | rows expected | present | duplicated | completions | error rows | requests wasted | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -181,6 +181,7 @@ def run_generation(
             backoff_cap_s=2.0,
             progress_every_s=5.0,
             retry_failed_rows=cfg.retry_failed_rows,
+            adaptive_headroom=cfg.concurrency_per_server is None,
         )
         base.update(settings_overrides or {})
         try:

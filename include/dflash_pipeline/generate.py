@@ -42,6 +42,7 @@ from dflash_pipeline.sglang import (
     build_chat_body,
     chat_once,
     check_health,
+    new_chat_client,
     new_session,
 )
 from dflash_pipeline.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
@@ -79,6 +80,10 @@ class WorkerSettings:
     store_deadline_s: float = 600.0
     try_number: int = 1
     retry_failed_rows: str = "transient"
+    # Derived concurrency (not set by the user): queue about `headroom_s` of work at the server on
+    # top of `concurrency`, so a fast server's freed slots never wait for the client's round trip.
+    adaptive_headroom: bool = False
+    headroom_s: float = 0.25
 
     @property
     def owner(self) -> str:
@@ -95,6 +100,11 @@ class OpenChunk:
     # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
     base_rows: list[dict[str, Any]] | None = None
     part_etag: str | None = None
+    # Prompts still to send (all of them unless rows were reused from a partial).
+    todo: list[dict[str, Any]] | None = None
+
+    def prompts_to_send(self) -> list[dict[str, Any]]:
+        return self.prompts if self.todo is None else self.todo
 
     @property
     def complete(self) -> bool:
@@ -180,7 +190,7 @@ class Worker:
         layout: DatasetLayout,
         manifest: dict[str, Any],
         settings: WorkerSettings,
-        session_factory: Callable[[], Any] = new_session,
+        session_factory: Callable[[], Any] = new_chat_client,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.store = store
@@ -202,13 +212,20 @@ class Worker:
         self._committing_lock = threading.Lock()
         self._last_success_t = 0.0
         self._suspect_since: float | None = None
-        self._last_scan_t = -1e9
-        self._nothing_claimable = False
         self._own_stale: set[int] | None = None
         self._done_cache: set[int] = set()
         self._tok_window: deque[tuple[float, int]] = deque()
         self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
         self._requeues: dict[str, int] = {}
+        self._scan_lock = threading.Lock()
+        self._lowest_unfinished = 0
+        self._claimed: queue.SimpleQueue[OpenChunk] = queue.SimpleQueue()
+        self._claimed_prompts = 0
+        self._claimer_wake = threading.Event()
+        self._claimer_idle = threading.Event()
+        self._claimer_stop = threading.Event()
+        self._claim_error: BaseException | None = None
+        self._done_times: deque[float] = deque()
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
@@ -273,12 +290,18 @@ class Worker:
     # -- claims --------------------------------------------------------------------------------
     def _scan(self) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
         """(committed chunks, live or stale claims of unfinished chunks, chunks to repair)."""
-        done = set(self._done_cache)
-        for obj in self.store.list(self.layout.completions_prefix):
-            c = chunk_of_key(obj.key)
-            if c is not None:
-                done.add(c)
-        self._done_cache = done
+        with self._scan_lock:
+            done = set(self._done_cache)
+            low = self._lowest_unfinished
+            after = self.layout.part_key(low - 1) if low > 0 else None
+            for obj in self.store.list(self.layout.completions_prefix, start_after=after):
+                c = chunk_of_key(obj.key)
+                if c is not None:
+                    done.add(c)
+            while low < self.n_chunks and low in done:
+                low += 1
+            self._lowest_unfinished = low
+            self._done_cache = done
         claims: dict[int, ObjectInfo] = {}
         for obj in self.store.list(self.layout.claims_prefix):
             c = chunk_of_key(obj.key)
@@ -394,7 +417,16 @@ class Worker:
         got = self.store.get(self.layout.input_key(self.plan_id, c))
         if got is None:
             raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
-        return OpenChunk(c, etag, decode_inputs(got[0]))
+        chunk = OpenChunk(c, etag, decode_inputs(got[0]))
+        partial = self.store.get(self.layout.partial_key(c))
+        if partial is not None:
+            ids = {p["id"] for p in chunk.prompts}
+            for row in decode_part(partial[0]).to_pylist():
+                if row["id"] in ids:
+                    chunk.results[row["id"]] = row
+            chunk.todo = [p for p in chunk.prompts if p["id"] not in chunk.results]
+            logger.info("chunk %d: %d row(s) saved by a worker that gave up are reused", c, len(chunk.results))
+        return chunk
 
     def _release(self, c: int) -> None:
         try:
@@ -462,6 +494,8 @@ class Worker:
             self.stats.chunks_committed += 1
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
             self._write_marker(chunk.index, rows)
+            if chunk.todo is not None:
+                with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial")
         self._done_cache.add(chunk.index)
         with_retries(lambda: self._release(chunk.index), what="release claim", deadline_s=60)
 
@@ -502,32 +536,77 @@ class Worker:
                 logger.warning("could not renew claim of chunk %d; S3 unavailable", chunk.index)
 
     # -- main loop ------------------------------------------------------------------------------
-    def _want_more_work(self) -> bool:
-        ready = sum(1 for ch, _ in self.pending if not ch.lost)
-        return ready < self.settings.concurrency and self._committing <= 2
-
-    def _fill(self, pool: _RequestPool) -> None:
+    def _limit(self) -> int:
+        """Requests to keep in flight: `concurrency`, plus adaptive headroom when it was derived."""
         s = self.settings
+        if not s.adaptive_headroom:
+            return s.concurrency
         now = time.monotonic()
-        while self._want_more_work():
-            if self._nothing_claimable and now - self._last_scan_t < s.poll_s:
-                break
-            self._last_scan_t = now
-            chunk = with_retries(self._try_claim, what="claim", deadline_s=s.store_deadline_s)
+        while self._done_times and now - self._done_times[0] > 10.0:
+            self._done_times.popleft()
+        span = min(10.0, max(1.0, now - self.stats.started_t))
+        rate = len(self._done_times) / span
+        return s.concurrency + min(s.concurrency, int(-(-rate * s.headroom_s // 1)))
+
+    def _claim_wanted(self) -> bool:
+        ready = len(self.pending) + self._claimed_prompts
+        return ready < 2 * self._limit() and self._committing <= 2 and self._suspect_since is None
+
+    def _claimer(self) -> None:
+        """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
+        s = self.settings
+        while not self._claimer_stop.is_set():
+            if not self._claim_wanted():
+                self._claimer_wake.wait(0.05)
+                self._claimer_wake.clear()
+                continue
+            try:
+                chunk = with_retries(self._try_claim, what="claim", deadline_s=s.store_deadline_s)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
+                self._claim_error = exc
+                return
             if chunk is None:
-                self._nothing_claimable = True
-                break
-            self._nothing_claimable = False
+                self._claimer_idle.set()
+                self._claimer_wake.wait(s.poll_s)
+                self._claimer_wake.clear()
+                continue
+            self._claimer_idle.clear()
             with self._open_lock:
                 self.open[chunk.index] = chunk
-            self.pending.extend((chunk, p) for p in chunk.prompts)
-        while self.in_flight < s.concurrency and self.pending:
+            with self._committing_lock:
+                self._claimed_prompts += len(chunk.prompts_to_send())
+            self._claimed.put(chunk)
+
+    def _fill(self, pool: _RequestPool) -> None:
+        while True:
+            try:
+                chunk = self._claimed.get_nowait()
+            except queue.Empty:
+                break
+            todo = chunk.prompts_to_send()
+            with self._committing_lock:
+                self._claimed_prompts -= len(todo)
+            if not todo:
+                self._finish_chunk(chunk)
+                continue
+            self.pending.extend((chunk, p) for p in todo)
+        limit = self._limit()
+        while self.in_flight < limit and self.pending:
             chunk, prompt = self.pending.popleft()
             if chunk.lost:
                 continue
             pool.submit((chunk, prompt))
             self.in_flight += 1
             self.stats.requests_sent += 1
+        if self._claim_wanted():
+            self._claimer_wake.set()
+
+    def _finish_chunk(self, chunk: OpenChunk) -> None:
+        with self._open_lock:
+            self.open.pop(chunk.index, None)
+        with self._committing_lock:
+            self._committing += 1
+        self._commit_q.put(chunk)
 
     def _handle(self, out: _Outcome) -> None:
         self.in_flight -= 1
@@ -544,6 +623,7 @@ class Worker:
             tokens = int(row.get("completion_tokens") or 0)
             self.stats.output_tokens += tokens
             self._tok_window.append((self._last_success_t, tokens))
+            self._done_times.append(time.monotonic())
         else:
             f = out.failure
             assert f is not None
@@ -573,11 +653,7 @@ class Worker:
             self.stats.errors_by_class[f.error_class] = self.stats.errors_by_class.get(f.error_class, 0) + 1
         chunk.results[row["id"]] = row
         if chunk.complete:
-            with self._open_lock:
-                self.open.pop(chunk.index, None)
-            with self._committing_lock:
-                self._committing += 1
-            self._commit_q.put(chunk)
+            self._finish_chunk(chunk)
 
     def _maybe_drop(self, chunk: OpenChunk) -> None:
         with self._open_lock:
@@ -642,6 +718,9 @@ class Worker:
             "prompts_committed_total": sum(self.sizes[c] for c in done_chunks),
             "output_tokens": self.stats.output_tokens,
             "output_tokens_per_s": round(window_tokens / span, 1),
+            # Longest completion of the last two minutes: snapshots overlap, so their running max is
+            # the run's longest, which sizes the ETA's tail (the last long requests drain alone).
+            "max_completion_tokens_recent": max((t for _, t in self._tok_window), default=0),
         }
         logger.info(
             "progress %s: done=%d err=%d inflight=%d parts=%d/%d tok/s=%.0f",
@@ -657,15 +736,20 @@ class Worker:
             "worker %s on %s: %d chunks in the plan, concurrency %d, model %s",
             s.worker, s.server.name, self.n_chunks, s.concurrency, s.model,
         )
-        pool = _RequestPool(s.concurrency, self._do_request, self.session_factory)
+        pool_size = 2 * s.concurrency if s.adaptive_headroom else s.concurrency
+        pool = _RequestPool(pool_size, self._do_request, self.session_factory)
         committer = threading.Thread(target=self._committer, name="committer", daemon=True)
         committer.start()
-        probe_session = self.session_factory()
+        claimer = threading.Thread(target=self._claimer, name="claimer", daemon=True)
+        claimer.start()
+        probe_session = new_session()
         last_progress = time.monotonic()
         try:
             while True:
                 if self._commit_error is not None:
                     raise self._commit_error
+                if self._claim_error is not None:
+                    raise self._claim_error
                 if self._suspect_since is None:
                     self._fill(pool)
                 else:
@@ -674,11 +758,16 @@ class Worker:
                     if self._suspect_since is not None:
                         time.sleep(1.0)
                         continue
+                    if not self._claimed.empty() or not self._claimer_idle.is_set():
+                        self._claimer_wake.set()
+                        time.sleep(0.02)
+                        continue
                     self._wait_commits()
-                    if not self.open and self._all_done():
+                    if not self.open and self._claimed.empty() and self._all_done():
                         break
-                    time.sleep(min(s.poll_s, 1.0) if self.open else s.poll_s)
-                    self._nothing_claimable = False
+                    self._claimer_idle.clear()
+                    self._claimer_wake.set()
+                    time.sleep(s.poll_s)
                     continue
                 try:
                     item = pool.out.get(timeout=1.0)
@@ -699,6 +788,8 @@ class Worker:
             self._give_up()
             raise
         finally:
+            self._claimer_stop.set()
+            self._claimer_wake.set()
             pool.close()
         self._commit_q.put(None)
         committer.join(timeout=60)
@@ -717,14 +808,29 @@ class Worker:
             time.sleep(0.05)
 
     def _give_up(self) -> None:
-        """Stop, and hand our unfinished chunks to the fleet right away (not after the lease)."""
+        """Stop, save what our unfinished chunks already have, and hand them to the fleet now."""
+        self._claimer_stop.set()
+        self._claimer_wake.set()
         with self._open_lock:
             chunks = list(self.open.values())
             self.open.clear()
+        while True:
+            try:
+                chunks.append(self._claimed.get_nowait())
+            except queue.Empty:
+                break
         for chunk in chunks:
             chunk.lost = True
         self.pending.clear()
         for chunk in chunks:
+            if chunk.results and chunk.base_rows is None:
+                try:
+                    self.store.put(self.layout.partial_key(chunk.index), encode_part(list(chunk.results.values())))
+                except Exception as exc:  # noqa: BLE001 - best effort; the rows are redone otherwise
+                    logger.warning("could not save the %d finished rows of chunk %d: %s", len(chunk.results), chunk.index, exc)
             self._release(chunk.index)
         if chunks:
-            logger.warning("released %d unfinished chunk(s) to the other servers", len(chunks))
+            logger.warning(
+                "released %d unfinished chunk(s) to the other servers (%d finished rows saved for reuse)",
+                len(chunks), sum(len(c.results) for c in chunks if c.base_rows is None),
+            )

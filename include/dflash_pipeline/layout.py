@@ -100,6 +100,14 @@ class DatasetLayout:
         return self._k("claims/")
 
     @property
+    def partials_prefix(self) -> str:
+        return self._k("partials/")
+
+    def partial_key(self, chunk: int) -> str:
+        """Rows of an unfinished chunk saved by a worker that gave up, for whoever takes it over."""
+        return f"{self.partials_prefix}chunk-{chunk:0{CHUNK_DIGITS}d}.parquet"
+
+    @property
     def retry_prefix(self) -> str:
         return self._k("retry/")
 

@@ -123,10 +123,13 @@ class Store:
             raise
         return ObjectInfo(key, resp["ETag"], int(resp["ContentLength"]), resp["LastModified"])
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Keys under `prefix` in key order, optionally only those after `start_after`."""
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": 1000}
+            if start_after:
+                kwargs["StartAfter"] = start_after
             if token:
                 kwargs["ContinuationToken"] = token
             resp = self._call(self.client.list_objects_v2, **kwargs)

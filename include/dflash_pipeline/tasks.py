@@ -137,7 +137,15 @@ def generate(
             lease_s=cfg.claim_lease_s,
             try_number=try_number,
             retry_failed_rows=cfg.retry_failed_rows,
+            adaptive_headroom=cfg.concurrency_per_server is None,
         )
+        if on_progress is None:
+            from dflash_pipeline.progress import ProgressWriter
+
+            on_progress = ProgressWriter(
+                store, layout.progress_key(run_id, settings.worker), run_id=run_id, try_number=try_number,
+                every_s=settings.progress_every_s, n_servers=len(cfg.servers),
+            )
         worker = Worker(store, layout, manifest, settings, on_progress=on_progress)
         if worker._all_done():
             logger.info("every chunk of %s is already committed; nothing to do for %s", layout.uri, spec.name)
@@ -147,16 +155,25 @@ def generate(
         return worker.run()
 
 
-def validate(params: dict[str, Any]) -> dict[str, Any]:
-    from dflash_pipeline.validate import run_validation
+def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any]:
+    """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`)."""
+    from dflash_pipeline.handoff import completions_asset, event_extra
+    from dflash_pipeline.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
+    thresholds = Thresholds(
+        max_error_rate=cfg.max_error_rate, max_truncation_rate=cfg.max_truncation_rate, min_coverage=cfg.min_coverage
+    )
     with _fail_fast():
-        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri)
+        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer)
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
-        "prompt_tokens", "output_tokens", "reasoning_tokens",
+        "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",
     )
     summary = {k: report[k] for k in keys}
-    summary["report_key"] = DatasetLayout.from_uri(cfg.output_uri).report_key
+    summary["report_key"] = report["report_key"]
+    if outlet_events is not None:
+        extra = event_extra(report)
+        outlet_events[completions_asset()].extra = extra
+        logger.info("asset event %s: %s", completions_asset().uri, extra)
     return summary
