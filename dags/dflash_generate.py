@@ -20,6 +20,7 @@ from typing import Any
 from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import PARAM_SCHEMAS
+from dflash_pipeline.handoff import completions_asset
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
 PARAMS = {
@@ -68,12 +69,13 @@ def dflash_generate() -> None:
         ti = ctx["ti"]
         return tasks.generate(ctx["params"], ctx["run_id"], server, ti.map_index, ti.try_number)
 
-    @task(trigger_rule=TriggerRule.ALL_DONE, retries=1)
+    # On success the hand-off asset gets an event naming the dataset (dags/dflash_tokenize.py consumes it).
+    @task(trigger_rule=TriggerRule.ALL_DONE, retries=1, outlets=[completions_asset()])
     def validate_and_count() -> dict[str, Any]:
         from dflash_pipeline import tasks
 
         ctx = get_current_context()
-        return tasks.validate(ctx["params"])
+        return tasks.validate(ctx["params"], ctx["outlet_events"])
 
     servers = preflight(plan())
     # ALL_DONE: a server lost for good fails its own task, but the others finished its work, so the

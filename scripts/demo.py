@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                 print_report(report)
             print()
             print(f"UI:     {af.ui_run_url(DAG_ID, run_id)}")
+            from urllib.parse import quote
+
+            print(f"Progress: {af.ui_run_url(DAG_ID, run_id)}/plugin/dflash-progress  (the run's 'DFlash progress' "
+                  f"tab; the page alone: {af.url}/dflash/runs/{quote(DAG_ID, safe='')}/{quote(run_id, safe='')})")
             print(f"login:  {af.username} / {af.password}")
             print(f"S3:     endpoint {stack.moto.endpoint_url} (access key testing / testing)")
             print(f"        prompts {prompts_uri}")

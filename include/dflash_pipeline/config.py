@@ -17,6 +17,7 @@ SECTION_DATA = "Data"
 SECTION_SERVERS = "Servers"
 SECTION_SAMPLING = "Sampling"
 SECTION_RUN = "Run control"
+SECTION_VALIDATION = "Validation"
 
 # name -> JSON schema (with Airflow's extra keys "description" and "section").
 PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
@@ -185,6 +186,44 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "before another server's task may take it over.",
         "section": SECTION_RUN,
     },
+    "min_coverage": {
+        "type": "number",
+        "default": 1.0,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "validate_and_count fails when fewer than this share of the planned prompts have a "
+        "row (a completion or an error row). 1.0 = every prompt: a rerun into the same output_uri only does "
+        "the missing work, so completing is cheap and a hole is never silent.",
+        "section": SECTION_VALIDATION,
+    },
+    "max_error_rate": {
+        "type": "number",
+        "default": 0.01,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "validate_and_count fails when more than this share of the rows are error rows "
+        "(requests that failed for good: context length, or transient errors left after max_attempts). "
+        "1% allows the few prompts longer than the context; more means a sick server or a wrong setting.",
+        "section": SECTION_VALIDATION,
+    },
+    "max_truncation_rate": {
+        "type": "number",
+        "default": 0.10,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "validate_and_count fails when more than this share of the completions stopped at "
+        "max_tokens (finish_reason 'length'). Thinking models run long: above 10% the budget is too small "
+        "for the prompt set and the data over-represents cut-off reasoning.",
+        "section": SECTION_VALIDATION,
+    },
+    "tokenizer": {
+        "type": ["null", "string"],
+        "default": None,
+        "description": "The training tokenizer, to recount tokens and compare with the servers' counts: a "
+        "local tokenizer.json or model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix "
+        "holding tokenizer.json (+ tokenizer_config.json with the chat template). Null = no recount.",
+        "section": SECTION_VALIDATION,
+    },
 }
 
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
@@ -223,6 +262,10 @@ class RunConfig:
     retry_failed_rows: str = "transient"
     server_lost_after_s: float = 120.0
     claim_lease_s: float = 180.0
+    min_coverage: float = 1.0
+    max_error_rate: float = 0.01
+    max_truncation_rate: float = 0.10
+    tokenizer: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RunConfig":
@@ -247,6 +290,12 @@ class RunConfig:
             prompts.key == out.key or prompts.key.startswith(out.key + "/")
         ):
             raise ConfigError("prompts_uri must not lie inside output_uri (the dataset root)")
+        tokenizer = params.get("tokenizer")
+        if isinstance(tokenizer, str) and tokenizer.startswith("s3://"):
+            try:
+                parse_s3_uri(tokenizer, what="tokenizer")
+            except UriError as exc:
+                raise ConfigError(str(exc)) from exc
 
         def get(name: str) -> Any:
             return params.get(name, PARAM_SCHEMAS[name].get("default"))
@@ -275,6 +324,10 @@ class RunConfig:
             retry_failed_rows=str(get("retry_failed_rows")),
             server_lost_after_s=float(get("server_lost_after_s")),
             claim_lease_s=float(get("claim_lease_s")),
+            min_coverage=float(get("min_coverage")),
+            max_error_rate=float(get("max_error_rate")),
+            max_truncation_rate=float(get("max_truncation_rate")),
+            tokenizer=get("tokenizer") or None,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,7 +6,10 @@ Three pieces, each usable alone or together through :class:`Stack`:
 * :class:`SimFleetProcess`: ``python -m dflash_pipeline.sim`` serving ``count`` simulated SGLang servers.
 * :class:`AirflowStack`: an Airflow 3 deployment (api-server, scheduler, dag-processor, triggerer,
   LocalExecutor on SQLite) under a private ``AIRFLOW_HOME``, driven through the ``airflow`` CLI and the
-  REST API.
+  REST API. With ``executor="celery"`` and a :class:`CeleryConfig` it is the distributed shape
+  instead: CeleryExecutor, PostgreSQL metadata DB and result backend, Redis broker, and N named
+  ``airflow celery worker`` processes (see :meth:`AirflowStack.kill_worker`).
+* :class:`PostgresDatabase`: a fresh, uniquely named database on a PostgreSQL server, dropped after.
 
 Every process is started in its own process group with its output in a log file, and stopped by
 signalling the whole group (SIGINT, then SIGTERM, then SIGKILL), so nothing outlives the stack.
@@ -47,10 +50,20 @@ MOTO_SECRET_KEY = "testing"  # noqa: S105 - a fake credential for a local fake S
 ADMIN_USER = "admin"
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 StackMode = Literal["standalone", "components"]
+Executor = Literal["local", "celery"]
 #: ``straggler(pid, members of its process group) -> signal to send it once, or None``.
 Straggler = Callable[[int, Sequence[int]], "signal.Signals | None"]
 #: The Airflow components started one by one in "components" mode.
 COMPONENTS: tuple[str, ...] = ("api-server", "scheduler", "dag-processor", "triggerer")
+#: The components of a Celery stack besides its workers (no deferrable operators here: no triggerer).
+CELERY_COMPONENTS: tuple[str, ...] = ("api-server", "scheduler", "dag-processor")
+#: Where the Celery stack finds PostgreSQL and Redis unless told otherwise (both on loopback).
+PG_ADMIN_URL_ENV = "DFLASH_PG_URL"
+DEFAULT_PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+REDIS_URL_ENV = "DFLASH_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: Set per Celery worker process; read by :func:`worker_hostname`.
+WORKER_NAME_ENV = "DFLASH_WORKER_NAME"
 
 
 class StackError(RuntimeError):
@@ -109,6 +122,15 @@ def _group_members(pgid: int) -> list[int]:
         if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
+
+
+def _is_live(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
 
 
 def _describe(pid: int) -> str:
@@ -463,6 +485,216 @@ class SimFleetProcess:
 
 
 # --------------------------------------------------------------------------------------------------
+# PostgreSQL and Redis (the Celery stack's metadata DB, result backend and broker)
+
+
+def _pg_parts(url: str) -> dict[str, Any]:
+    """``postgresql://user[:pw]@host:port/db`` (any ``+driver``) as psycopg2 connect() keywords."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if not parts.scheme.startswith("postgresql"):
+        raise ValueError(f"not a postgresql URL: {parts.scheme}://...")
+    out: dict[str, Any] = {
+        "host": parts.hostname or LOOPBACK,
+        "port": parts.port or 5432,
+        "user": unquote(parts.username or "postgres"),
+        "dbname": parts.path.lstrip("/") or "postgres",
+    }
+    if parts.password:
+        out["password"] = unquote(parts.password)
+    return out
+
+
+def postgres_unavailable(admin_url: str | None = None) -> str | None:
+    """Why the PostgreSQL server at ``admin_url`` cannot be used, or None if it answers."""
+    try:
+        import psycopg2
+    except ImportError as exc:
+        return f"psycopg2 is not installed ({exc})"
+    try:
+        psycopg2.connect(connect_timeout=3, **_pg_parts(admin_url or _pg_admin_url())).close()
+    except psycopg2.Error as exc:
+        return f"PostgreSQL at {admin_url or _pg_admin_url()} does not answer: {str(exc).strip()[:200]}"
+    return None
+
+
+def redis_unavailable(url: str | None = None) -> str | None:
+    """Why the Redis server at ``url`` cannot be used, or None if it answers PING."""
+    try:
+        import redis
+    except ImportError as exc:
+        return f"the redis client is not installed ({exc})"
+    url = url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except redis.RedisError as exc:
+        return f"Redis at {url} does not answer: {exc}"
+    return None
+
+
+def _pg_admin_url() -> str:
+    return os.environ.get(PG_ADMIN_URL_ENV, DEFAULT_PG_ADMIN_URL)
+
+
+class PostgresDatabase:
+    """A database named ``name`` (default ``dflash_<hex>``) on the server of ``admin_url``.
+
+    ``admin_url`` (default ``$DFLASH_PG_URL`` or ``postgresql://postgres@127.0.0.1:5432/postgres``)
+    must name a role allowed to create databases. :meth:`create` makes it (empty, owned by that
+    role); :meth:`drop` removes it with ``WITH (FORCE)``, closing leftover connections. Usage::
+
+        with PostgresDatabase() as db:
+            db.sqlalchemy_url   # postgresql+psycopg2://postgres@127.0.0.1:5432/dflash_1a2b3c4d
+    """
+
+    def __init__(self, admin_url: str | None = None, name: str | None = None) -> None:
+        self.admin_url = admin_url or _pg_admin_url()
+        self.name = name or f"dflash_{secrets.token_hex(4)}"
+        if not self.name.replace("_", "").isalnum() or not self.name[0].isalpha():
+            raise ValueError(f"database name {self.name!r}: letters, digits and _ only")
+        self._parts = {**_pg_parts(self.admin_url), "dbname": self.name}
+
+    def __repr__(self) -> str:
+        return f"PostgresDatabase({self.name!r} on {self._parts['host']}:{self._parts['port']})"
+
+    def url(self, scheme: str = "postgresql+psycopg2") -> str:
+        """The database's URL with ``scheme`` (the password, if any, is included)."""
+        from urllib.parse import quote
+
+        p = self._parts
+        auth = quote(p["user"], safe="") + (":" + quote(p["password"], safe="") if "password" in p else "")
+        return f"{scheme}://{auth}@{p['host']}:{p['port']}/{self.name}"
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """For ``[database] sql_alchemy_conn``: psycopg2 named (Airflow derives asyncpg from it)."""
+        return self.url("postgresql+psycopg2")
+
+    @property
+    def result_backend_url(self) -> str:
+        """For ``[celery] result_backend``: ``db+postgresql+psycopg2://`` (plain ``db+postgresql://``
+        resolves to psycopg 3 under SQLAlchemy 2.1, which is not installed)."""
+        return self.url("db+postgresql+psycopg2")
+
+    def _admin(self) -> Any:
+        import psycopg2
+
+        conn = psycopg2.connect(connect_timeout=5, **_pg_parts(self.admin_url))
+        conn.autocommit = True  # CREATE/DROP DATABASE cannot run inside a transaction
+        return conn
+
+    def exists(self) -> bool:
+        conn = self._admin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.name,))
+                return cur.fetchone() is not None
+        finally:
+            conn.close()
+
+    def create(self) -> PostgresDatabase:
+        """``CREATE DATABASE name`` (fails if it exists: a fresh database is the point)."""
+        conn = self._admin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{self.name}"')
+        finally:
+            conn.close()
+        log.info("created database %s", self)
+        return self
+
+    def drop(self) -> None:
+        """``DROP DATABASE IF EXISTS name WITH (FORCE)`` (PostgreSQL 13+)."""
+        conn = self._admin()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        finally:
+            conn.close()
+        log.info("dropped database %s", self)
+
+    def __enter__(self) -> PostgresDatabase:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()
+
+
+def worker_hostname() -> str:
+    """``[core] hostname_callable`` of the Celery stack: ``NAME@fqdn`` in a worker, else the fqdn.
+
+    Two workers on one host would both record the host's name as the task instance's hostname; the
+    stack sets ``DFLASH_WORKER_NAME`` per worker so a task instance shows which worker ran it (the
+    same ``NAME@host`` form as the Celery node name ``-H NAME@%h``). In containers or on separate
+    machines the default (``airflow.utils.net.getfqdn``) already tells workers apart.
+    """
+    name = os.environ.get(WORKER_NAME_ENV)
+    fqdn = socket.getfqdn()
+    return f"{name}@{fqdn}" if name else fqdn
+
+
+@dataclass(frozen=True)
+class CeleryConfig:
+    """What a Celery-mode :class:`AirflowStack` needs besides Airflow itself.
+
+    ``sql_alchemy_conn`` and ``result_backend`` usually come from one :class:`PostgresDatabase`
+    (:meth:`for_database`). ``key_prefix`` prefixes every Redis key of this stack (kombu's
+    ``global_keyprefix``), so stacks sharing one Redis do not steal each other's tasks.
+    ``workers`` are the Celery node names (``-H NAME@%h``), ``concurrency`` the slots of each.
+    """
+
+    sql_alchemy_conn: str
+    result_backend: str
+    broker_url: str = DEFAULT_REDIS_URL
+    workers: tuple[str, ...] = ("w1", "w2")
+    concurrency: int = 4
+    key_prefix: str = field(default_factory=lambda: f"dflash-{secrets.token_hex(4)}:")
+
+    @classmethod
+    def for_database(cls, db: PostgresDatabase, broker_url: str | None = None, **kwargs: Any) -> CeleryConfig:
+        broker = broker_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+        return cls(sql_alchemy_conn=db.sqlalchemy_url, result_backend=db.result_backend_url, broker_url=broker, **kwargs)
+
+    def env(self) -> dict[str, str]:
+        """The ``AIRFLOW__*`` settings every component (scheduler, API server, workers) shares."""
+        return {
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.sql_alchemy_conn,
+            "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
+            "AIRFLOW__CELERY__RESULT_BACKEND": self.result_backend,
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(self.concurrency),
+            "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__GLOBAL_KEYPREFIX": self.key_prefix,
+            # Two workers on one host: record NAME@host as the task instance's hostname.
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{__name__}.worker_hostname",
+        }
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (through /proc, so across process groups and sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 2 and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        if p in out:
+            continue
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # Airflow
 
 
@@ -504,6 +736,15 @@ class AirflowStack:
 
     :meth:`start` returns once the API answers health 200 with a healthy scheduler and dag-processor,
     and every DAG in ``wait_for_dags`` is parsed. :meth:`trigger` waits for its DAG to be parsed too.
+
+    ``executor="celery"`` (with ``celery=CeleryConfig(...)``, components mode only) runs the
+    CeleryExecutor on PostgreSQL + Redis: api-server, scheduler, dag-processor and one
+    ``airflow celery worker -H NAME@%h`` per name in ``celery.workers``, each with its own log-server
+    port, pid file and log (``celery-worker-NAME.log``); :meth:`start` also waits for every worker to
+    report ready. :meth:`kill_worker` loses a worker the way a machine is lost (SIGKILL to its whole
+    process tree, task processes included); :meth:`start_worker` brings one (back) up.
+    ``task_heartbeat_timeout_s`` lowers ``[scheduler] task_instance_heartbeat_timeout`` (default 300 s)
+    so the scheduler notices a dead task sooner (its check interval becomes a quarter of it).
     """
 
     def __init__(
@@ -519,7 +760,18 @@ class AirflowStack:
         port: int | None = None,
         wait_for_dags: Sequence[str] = ("dflash_generate",),
         dag_refresh_interval_s: int = 5,
+        executor: Executor = "local",
+        celery: CeleryConfig | None = None,
+        task_heartbeat_timeout_s: int | None = None,
     ) -> None:
+        if executor == "celery":
+            if celery is None:
+                raise ValueError('executor="celery" needs celery=CeleryConfig(...)')
+            if mode != "components":
+                raise ValueError('executor="celery" runs in mode "components" only')
+        self.executor: Executor = executor
+        self.celery = celery if executor == "celery" else None
+        self.task_heartbeat_timeout_s = task_heartbeat_timeout_s
         self.home = Path(home).resolve()
         self.dags_folder = Path(dags_folder).resolve()
         self.plugins_folder = (
@@ -540,9 +792,23 @@ class AirflowStack:
         self._parsed_dags: set[str] = set()
         self.env: dict[str, str] = self._build_env()
         self.startup_s: float | None = None
+        #: worker name -> its environment (own log-server port and DFLASH_WORKER_NAME).
+        self._worker_env: dict[str, dict[str, str]] = {}
+        self._worker_log_offset: dict[str, int] = {}  # where a (re)started worker's log began
+        self._snapshot: dict[int, float] = {}  # pid -> create time of the processes seen at stop()
 
     def __repr__(self) -> str:  # never shows the secrets
-        return f"AirflowStack(home={self.home}, url={self.url}, mode={self.mode})"
+        return f"AirflowStack(home={self.home}, url={self.url}, mode={self.mode}, executor={self.executor})"
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The non-worker Airflow processes this stack runs (components mode)."""
+        return CELERY_COMPONENTS if self.executor == "celery" else COMPONENTS
+
+    @property
+    def worker_names(self) -> tuple[str, ...]:
+        """The Celery workers' names (``()`` for the LocalExecutor)."""
+        return self.celery.workers if self.celery is not None else ()
 
     # ----- configuration
 
@@ -613,6 +879,12 @@ class AirflowStack:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.celery is not None:
+            env.update(self.celery.env())
+        if self.task_heartbeat_timeout_s is not None:
+            timeout = int(self.task_heartbeat_timeout_s)
+            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(timeout)
+            env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL"] = str(max(1.0, timeout / 4))
         env.update(self._env_extra)
         return env
 
@@ -647,12 +919,14 @@ class AirflowStack:
             migrate = self.cli("db", "migrate", timeout_s=300)
             if migrate.returncode != 0:
                 raise StackError(f"airflow db migrate failed:\n{migrate.stdout[-3000:]}{migrate.stderr[-3000:]}")
-            for component in COMPONENTS:
+            for component in self.components:
                 self._procs[component] = _spawn(
                     [airflow, component], env=self.env, log_path=self.logs_dir / f"{component}.log",
                     cwd=self.home,
                 )  # fmt: skip
-        log.info("airflow (%s) launched under %s, API %s", self.mode, self.home, self.url)
+            for name in self.worker_names:
+                self.start_worker(name, wait=False)
+        log.info("airflow (%s, %s) launched under %s, API %s", self.mode, self.executor, self.home, self.url)
 
     def start(self, timeout_s: float = 240.0) -> AirflowStack:
         """Launch and wait until ready; stops what it started if that fails."""
@@ -693,21 +967,137 @@ class AirflowStack:
                 raise StackError(f"airflow not healthy within {timeout_s} s ({last}); logs in {self.logs_dir}")
             time.sleep(0.5)
         log.info("airflow healthy after %.1f s", time.monotonic() - self._launched_at)
+        for name in self.worker_names:
+            self.wait_worker(name, timeout_s=max(5.0, deadline - time.monotonic()))
         for dag_id in self.wait_for_dags:
             self.wait_dag(dag_id, timeout_s=max(5.0, deadline - time.monotonic()))
         self.startup_s = time.monotonic() - self._launched_at
         log.info("airflow ready after %.1f s: %s", self.startup_s, self.url)
 
     def stop(self) -> None:
-        """SIGINT to every process group, ~15 s grace, then SIGTERM, then SIGKILL."""
+        """SIGINT to every process group, ~15 s grace, then SIGTERM, then SIGKILL.
+
+        Task processes run in process groups of their own (the Task SDK's supervisor puts each
+        task runner in a new group); any that outlive their component are killed at the end.
+        """
         if not self._procs:
             return
+        self._remember_tree()
         stop_process_groups(
-            list(self._procs.values()), name=f"airflow ({self.mode})", grace_s=15.0,
+            list(self._procs.values()), name=f"airflow ({self.mode}, {self.executor})", grace_s=15.0,
             straggler=_airflow_straggler,
         )  # fmt: skip
         self._procs.clear()
         self._token = None
+        leftovers = self._alive_remembered()
+        if leftovers:
+            log.warning("killing %d leftover task process(es): %s", len(leftovers), [_describe(p) for p in leftovers])
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        self._snapshot.clear()
+
+    def _remember_tree(self) -> None:
+        """Note every live descendant of our processes (pid + create time, to survive pid reuse)."""
+        import psutil
+
+        for proc in self._procs.values():
+            for pid in process_tree(proc.pid):
+                with contextlib.suppress(psutil.Error):
+                    self._snapshot.setdefault(pid, psutil.Process(pid).create_time())
+
+    def _alive_remembered(self) -> list[int]:
+        import psutil
+
+        alive = []
+        for pid, created in self._snapshot.items():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        return alive
+
+    # ----- Celery workers
+
+    def _worker_key(self, name: str) -> str:
+        if name not in self.worker_names:
+            raise KeyError(f"no Celery worker {name!r} in this stack (workers: {self.worker_names})")
+        return f"celery-worker-{name}"
+
+    def worker_log(self, name: str) -> Path:
+        return self.logs_dir / f"{self._worker_key(name)}.log"
+
+    def start_worker(self, name: str, *, wait: bool = True, timeout_s: float = 120.0) -> None:
+        """Start Celery worker ``name`` (``-H NAME@%h``); no-op if it runs. Waits until it is ready."""
+        key = self._worker_key(name)
+        proc = self._procs.get(key)
+        if proc is not None and proc.poll() is None:
+            return
+        assert self.celery is not None
+        env = self._worker_env.get(name)
+        if env is None:  # a restarted worker keeps its log-server port, so old logs stay reachable
+            env = {**self.env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()), WORKER_NAME_ENV: name}
+            self._worker_env[name] = env
+        log_path = self.worker_log(name)
+        self._worker_log_offset[name] = log_path.stat().st_size if log_path.exists() else 0
+        argv = [
+            venv_bin("airflow"), "celery", "worker", "--celery-hostname", f"{name}@%h",
+            "--concurrency", str(self.celery.concurrency), "--pid", str(self.home / f"{key}.pid"),
+        ]  # fmt: skip
+        (self.home / f"{key}.pid").unlink(missing_ok=True)  # a SIGKILLed worker leaves its pid file
+        self._procs[key] = _spawn(argv, env=env, log_path=log_path, cwd=self.home)
+        if wait:
+            self.wait_worker(name, timeout_s)
+
+    def wait_worker(self, name: str, timeout_s: float = 120.0) -> None:
+        """Wait until worker ``name`` logs Celery's ``NAME@host ready.`` line (since it was started)."""
+        log_path = self.worker_log(name)
+        offset = self._worker_log_offset.get(name, 0)
+        started = time.monotonic()
+        while True:
+            self._check_alive()
+            if log_path.exists():
+                with open(log_path, "rb") as fh:
+                    fh.seek(offset)
+                    text = fh.read().decode(errors="replace")
+                if f"{name}@" in text and " ready." in text:
+                    break
+            if time.monotonic() - started > timeout_s:
+                raise StackError(f"celery worker {name} not ready within {timeout_s} s:\n{_tail(log_path)}")
+            time.sleep(0.3)
+        log.info("celery worker %s ready (waited %.1f s)", name, time.monotonic() - started)
+
+    def worker_pids(self, name: str) -> list[int]:
+        """Every live process of worker ``name``: its group and descendants (task runners included)."""
+        proc = self._procs.get(self._worker_key(name))
+        if proc is None or proc.poll() is not None:
+            return []
+        return sorted(set(_group_members(proc.pid)) | {p for p in process_tree(proc.pid) if Path(f"/proc/{p}").exists()})
+
+    def kill_worker(self, name: str) -> list[int]:
+        """Lose worker ``name`` like a lost machine: SIGKILL its process group and every descendant.
+
+        Killing only the worker's process group would leave its task processes running: the Task
+        SDK's supervisor puts each task runner in a process group of its own, so an orphaned task
+        would go on generating. Returns the pids killed; the worker is no longer part of the
+        stack's liveness checks until :meth:`start_worker`.
+        """
+        key = self._worker_key(name)
+        proc = self._procs.pop(key, None)
+        if proc is None:
+            return []
+        victims = sorted(set(_group_members(proc.pid)) | set(process_tree(proc.pid)))
+        _signal_group(proc.pid, signal.SIGKILL)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() and _is_live(p) for p in victims) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.warning("celery worker %s killed (SIGKILL to %d processes)", name, len(victims))
+        return victims
 
     def __enter__(self) -> AirflowStack:
         return self.start()

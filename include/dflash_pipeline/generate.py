@@ -697,6 +697,7 @@ class Worker:
             "server": s.server.name,
             "try_number": s.try_number,
             "concurrency": s.concurrency,
+            "in_flight_limit": self._limit(),
             "state": "done" if force else ("failing" if self._suspect_since is not None else "running"),
             "elapsed_s": round(now - self.stats.started_t, 1),
             "completions": self.stats.completions,

@@ -123,6 +123,8 @@ def full_run(moto: MotoServer, fleet, tmp_path_factory: pytest.TempPathFactory):
         "model": "Qwen/Qwen3-8B",
         "max_tokens": MAX_TOKENS,
         "save_every": 40,
+        # max_tokens=150 truncates ~20% on purpose (truncation inside the thinking is exercised).
+        "max_truncation_rate": 0.5,
     }
     conf_b = {**conf, "output_uri": "s3://data/datasets/only-parser", "servers": [parser.url]}
     conf_c = {**conf, "output_uri": "s3://data/datasets/only-inline", "servers": ["sglang_gpu1"]}

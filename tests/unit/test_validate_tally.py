@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dflash_pipeline.validate import Tally, tally_chunk
+import pyarrow as pa
+
+from dflash_pipeline.records import PART_COLUMNS, PART_SCHEMA
+from dflash_pipeline.validate import Validator
 
 
-def _part(rows: list[dict]) -> dict[str, list]:
-    cols = ["id", "reasoning", "content", "finish_reason", "prompt_tokens", "completion_tokens",
-            "reasoning_tokens", "server", "latency_s", "error_class", "retryable"]
-    return {c: [r.get(c) for r in rows] for c in cols}
+def _part(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist([{c: r.get(c) for c in PART_COLUMNS} for r in rows], schema=PART_SCHEMA)
 
 
 def _ok(pid: str, **kw) -> dict:
@@ -19,10 +20,10 @@ def _ok(pid: str, **kw) -> dict:
 
 
 def test_complete_chunk() -> None:
-    t = Tally()
-    seen: set[int] = set()
-    tally_chunk(t, ["a", "b", "c"], _part([_ok("a"), _ok("b", finish_reason="length", content=""),
-                                           {"id": "c", "server": "s2", "error_class": "ContextLengthExceeded", "retryable": False}]), seen, True)
+    v = Validator(thinking=True)
+    v.add_chunk(["a", "b", "c"], _part([_ok("a"), _ok("b", finish_reason="length", content=""),
+                                        {"id": "c", "server": "s2", "error_class": "ContextLengthExceeded", "retryable": False}]))
+    t = v.finish()
     assert (t.prompts, t.completions, t.errors, t.missing, t.duplicates) == (3, 2, 1, 0, 0)
     assert (t.truncated, t.truncated_in_thinking, t.empty_content) == (1, 1, 1)
     assert (t.output_tokens, t.prompt_tokens, t.reasoning_tokens) == (200, 10, 160)
@@ -31,21 +32,21 @@ def test_complete_chunk() -> None:
 
 
 def test_missing_duplicate_and_unexpected() -> None:
-    t = Tally()
-    seen: set[int] = set()
-    tally_chunk(t, ["a", "b"], _part([_ok("a"), _ok("a"), _ok("zzz")]), seen, True)
-    tally_chunk(t, ["c"], None, seen, True)
-    tally_chunk(t, ["d"], _part([_ok("d"), _ok("b")]), seen, True)
+    v = Validator(thinking=True)
+    v.add_chunk(["a", "b"], _part([_ok("a"), _ok("a"), _ok("zzz")]))
+    v.add_chunk(["c"], None)
+    v.add_chunk(["d"], _part([_ok("d"), _ok("b")]))
+    t = v.finish()
     assert t.prompts == 4
     assert t.duplicates == 1 and t.duplicate_ids == ["a"]
-    assert t.unexpected == 2  # zzz never planned; b planned in another chunk
+    assert t.unexpected == 2  # zzz never planned; b planned in another chunk (and missing there)
     assert t.missing == 2 and set(t.missing_ids) == {"b", "c"}
 
 
 def test_reasoning_missing_when_thinking_enabled() -> None:
-    t = Tally()
-    tally_chunk(t, ["a"], _part([_ok("a", reasoning=None)]), set(), True)
-    assert t.reasoning_missing == 1
-    t2 = Tally()
-    tally_chunk(t2, ["a"], _part([_ok("a", reasoning=None)]), set(), False)
-    assert t2.reasoning_missing == 0
+    v = Validator(thinking=True)
+    v.add_chunk(["a"], _part([_ok("a", reasoning=None)]))
+    assert v.finish().reasoning_missing == 1
+    v2 = Validator(thinking=False)
+    v2.add_chunk(["a"], _part([_ok("a", reasoning=None)]))
+    assert v2.finish().reasoning_missing == 0

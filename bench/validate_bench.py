@@ -1,0 +1,293 @@
+"""Validation benchmark: run_validation over a full-size synthetic dataset on a local moto_server.
+
+    .venv/bin/python bench/validate_bench.py                 # 902,087 rows, save_every 500, 8 servers
+    .venv/bin/python bench/validate_bench.py --rows 20000    # a quick look
+
+What it does:
+- Waits until the 1-minute load average is <= --max-load (up to 10 min; the machine is shared) and
+  prints it.
+- Starts a `moto_server` subprocess and writes a dataset in the pipeline's exact format:
+  manifest.json, one input per planned chunk (records.encode_inputs) and one part per chunk
+  (records.encode_part), chunk sizes from plan.chunk_sizes. Lengths are drawn like the simulator's
+  (sim.lengths.plan_lengths: lognormal, mean 1800 tokens, 80-90% thinking) and cut at max_tokens as
+  a reasoning parser would; the texts are that many words of the simulator's vocabulary, so the
+  sim tokenizer counts them exactly. 0.2% of the rows are ContextLengthExceeded error rows.
+  Compromise (moto keeps objects in RAM): the words are slices of one random 4M-word pool, which
+  zstd compresses slightly better than fully independent text; sizes are printed.
+- Runs `run_validation` (no tokenizer, plots on, default thresholds) in a child process and prints
+  wall time, rows/s and the child's peak RSS (ru_maxrss).
+- Runs the tokenizer recount (sim tokenizer, batch encoding) on a sample of parts already in memory
+  in another child and prints tokens/s (output tokens + training-conversation tokens encoded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "include"))
+
+BUCKET = "bench-validate"
+ROOT = "datasets/bench"
+PLAN_ID = "bench0001"
+POOL_WORDS = 4_000_000
+ERROR_EVERY = 500
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float = 600.0) -> float:
+    waited = 0.0
+    while (load := loadavg()) > max_load and waited < max_wait_s:
+        print(f"load average {load:.2f} > {max_load}: waiting 60 s ({waited:.0f} s so far)", flush=True)
+        time.sleep(60)
+        waited += 60
+    return load
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+# -- dataset writer (worker processes) ----------------------------------------------------------
+_POOL: str = ""
+_OFFS: Any = None
+_CLIENT: Any = None
+
+
+def _init_worker(endpoint: str, seed: int) -> None:
+    import numpy as np
+
+    from dflash_pipeline.devstack import s3_client
+    from dflash_pipeline.sim.lengths import VOCAB
+
+    global _POOL, _OFFS, _CLIENT
+    rng = random.Random(seed)
+    words = rng.choices(VOCAB, k=POOL_WORDS)
+    _POOL = " ".join(words)
+    lens = np.fromiter((len(w) + 1 for w in words), dtype=np.int64, count=len(words))
+    _OFFS = np.concatenate([[0], np.cumsum(lens)])
+    _CLIENT = s3_client(endpoint)
+
+
+def _text(rng: random.Random, n: int) -> str:
+    if n <= 0:
+        return ""
+    start = rng.randrange(0, POOL_WORDS - n)
+    return _POOL[int(_OFFS[start]) : int(_OFFS[start + n]) - 1]
+
+
+def _write_chunk(args: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
+    """Input + part of one chunk; returns (chunk, rows, input bytes, part bytes, text bytes)."""
+    from dflash_pipeline.layout import DatasetLayout
+    from dflash_pipeline.records import encode_inputs, encode_part
+    from dflash_pipeline.sim.lengths import count_prompt_tokens, plan_lengths
+
+    c, first, size, max_tokens, n_servers = args
+    layout = DatasetLayout(BUCKET, ROOT)
+    rng = random.Random(c)
+    prompts, rows, text_bytes = [], [], 0
+    for k in range(size):
+        i = first + k
+        pid = f"p{i:08d}"
+        messages = [{"role": "user", "content": _text(rng, max(5, int(rng.lognormvariate(math.log(60), 0.8))))}]
+        prompts.append({"id": pid, "messages": messages})
+        server = f"http://gpu{c % n_servers:02d}:30000"
+        if i % ERROR_EVERY == ERROR_EVERY - 1:
+            rows.append({"id": pid, "messages": messages, "model": "Qwen/Qwen3-8B", "server": server, "attempts": 1,
+                         "error_class": "ContextLengthExceeded", "error_message": "too long", "retryable": False,
+                         "chunk": c, "run_id": "bench"})
+            continue
+        plan = plan_lengths(messages, seed=i)
+        t_used = min(plan.thinking_tokens, max_tokens)
+        a_used = min(plan.answer_tokens, max_tokens - t_used)
+        done = t_used == plan.thinking_tokens and a_used == plan.answer_tokens
+        reasoning, content = _text(rng, t_used), _text(rng, a_used)
+        text_bytes += len(reasoning) + len(content)
+        rows.append({
+            "id": pid, "messages": messages, "reasoning": reasoning or None, "content": content,
+            "finish_reason": "stop" if done else "length", "matched_stop": "151645" if done else None,
+            "prompt_tokens": count_prompt_tokens(messages), "completion_tokens": t_used + a_used,
+            "reasoning_tokens": t_used, "model": "Qwen/Qwen3-8B", "server": server, "attempts": 1,
+            "latency_s": round(0.02 * (t_used + a_used) + rng.uniform(0.05, 0.5), 3), "chunk": c, "run_id": "bench",
+        })
+    inp, part = encode_inputs(prompts), encode_part(rows)
+    _CLIENT.put_object(Bucket=BUCKET, Key=layout.input_key(PLAN_ID, c), Body=inp)
+    _CLIENT.put_object(Bucket=BUCKET, Key=layout.part_key(c), Body=part)
+    return c, size, len(inp), len(part), text_bytes
+
+
+def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max_tokens: int, workers: int) -> dict[str, Any]:
+    from dflash_pipeline.devstack import s3_client
+    from dflash_pipeline.layout import DatasetLayout
+    from dflash_pipeline.plan import chunk_sizes
+
+    sizes = chunk_sizes(rows, save_every, n_servers)
+    firsts = [0]
+    for s in sizes[:-1]:
+        firsts.append(firsts[-1] + s)
+    manifest = {
+        "format": "dflash-pipeline/manifest/1", "plan_id": PLAN_ID, "created_by_run": "bench",
+        "pinned": {"input": {"uri": "s3://bench/prompts.jsonl", "limit": None}, "model": "Qwen/Qwen3-8B",
+                   "sampling": {"max_tokens": max_tokens, "temperature": 0.6, "top_p": 0.95,
+                                "enable_thinking": True, "seed": None}},
+        "input": {"prompts": rows}, "model_resolved": "Qwen/Qwen3-8B", "runs": {},
+        "chunks": {"save_every": save_every, "planned_for_servers": n_servers, "sizes": sizes,
+                   "inputs_prefix": f"{ROOT}/inputs/{PLAN_ID}/"},
+    }
+    s3_client(endpoint).put_object(Bucket=BUCKET, Key=DatasetLayout(BUCKET, ROOT).manifest_key,
+                                   Body=json.dumps(manifest).encode())
+    started = time.monotonic()
+    totals = {"chunks": len(sizes), "rows": 0, "input_bytes": 0, "part_bytes": 0, "text_bytes": 0}
+    jobs = [(c, firsts[c], s, max_tokens, n_servers) for c, s in enumerate(sizes)]
+    with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(endpoint, 7)) as pool:
+        for done, (_c, n, ib, pb, tb) in enumerate(pool.imap_unordered(_write_chunk, jobs, chunksize=4), 1):
+            totals["rows"] += n
+            totals["input_bytes"] += ib
+            totals["part_bytes"] += pb
+            totals["text_bytes"] += tb
+            if done % 200 == 0 or done == len(jobs):
+                print(f"  wrote {done}/{len(jobs)} chunks, {totals['rows']:,} rows, "
+                      f"{totals['part_bytes'] / 2**30:.2f} GiB of parts, {time.monotonic() - started:.0f} s", flush=True)
+    totals["write_s"] = round(time.monotonic() - started, 1)
+    return totals
+
+
+# -- children ----------------------------------------------------------------------------------
+def child_validate(endpoint: str) -> None:
+    from dflash_pipeline.devstack import s3_client
+    from dflash_pipeline.validate import ValidationFailed, run_validation
+
+    client = s3_client(endpoint)
+    started = time.monotonic()
+    cpu0 = time.process_time()
+    status = "passed"
+    try:
+        report = run_validation(client, f"s3://{BUCKET}/{ROOT}")
+    except ValidationFailed as exc:
+        status = f"failed: {exc}"[:300]
+        report = json.loads(client.get_object(Bucket=BUCKET, Key=f"{ROOT}/report.json")["Body"].read())
+    wall = time.monotonic() - started
+    rows = report["completions"] + report["errors"]
+    out = {
+        "wall_s": round(wall, 1), "cpu_s": round(time.process_time() - cpu0, 1), "rows": rows,
+        "rows_per_s": round(rows / wall), "maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "status": status,
+        "headline": {k: report[k] for k in ("prompts", "completions", "errors", "missing", "duplicates", "truncated",
+                                            "truncation_rate", "output_tokens")},
+        "output_tokens_stats": report["token_stats"]["output_tokens"],
+    }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def child_recount(endpoint: str, parts: int) -> None:
+    import io
+
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.devstack import s3_client
+    from dflash_pipeline.layout import DatasetLayout
+    from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
+    from dflash_pipeline.tokencount import load_recounter
+
+    client = s3_client(endpoint)
+    layout = DatasetLayout(BUCKET, ROOT)
+    tables = []
+    for c in range(parts):
+        body = client.get_object(Bucket=BUCKET, Key=layout.part_key(c))["Body"].read()
+        t = pq.read_table(io.BytesIO(body), columns=["messages", "reasoning", "content", "error_class"])
+        tables.append(t.filter(t.column("error_class").is_null()))
+    tok_dir = build_sim_tokenizer(Path(tempfile.mkdtemp(prefix="bench-tok-")))
+    rec = load_recounter(str(tok_dir), lambda b, k: None, enable_thinking=True)
+    cols = [(t.column("messages").to_pylist(), t.column("reasoning").to_pylist(), t.column("content").to_pylist())
+            for t in tables]
+    started = time.perf_counter()
+    out_tokens = train_tokens = rows = 0
+    for m, r, c in cols:
+        res = rec.recount(m, r, c)
+        out_tokens += int(res.output.sum())
+        train_tokens += int(res.training.sum())
+        rows += len(c)
+    secs = time.perf_counter() - started
+    print("RESULT " + json.dumps({
+        "rows": rows, "seconds": round(secs, 2), "output_tokens": out_tokens, "training_tokens": train_tokens,
+        "tokens_per_s": round((out_tokens + train_tokens) / secs), "output_tokens_per_s": round(out_tokens / secs),
+        "rows_per_s": round(rows / secs), "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "default"),
+    }), flush=True)
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child {args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=902_087)
+    ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--servers", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2, help="processes writing the dataset")
+    ap.add_argument("--recount-parts", type=int, default=10, help="parts in the tokenizer recount sample")
+    ap.add_argument("--max-load", type=float, default=1.5)
+    ap.add_argument("--child", choices=["validate", "recount"])
+    ap.add_argument("--endpoint")
+    args = ap.parse_args()
+    if args.child == "validate":
+        child_validate(args.endpoint)
+        return 0
+    if args.child == "recount":
+        child_recount(args.endpoint, args.recount_parts)
+        return 0
+
+    from dflash_pipeline.devstack import MotoServer
+
+    with MotoServer(log_path=Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log") as moto:
+        moto.create_bucket(BUCKET)
+        print(f"writing {args.rows:,} rows to {moto.endpoint_url} (save_every={args.save_every}, "
+              f"{args.servers} servers, max_tokens={args.max_tokens})", flush=True)
+        totals = write_dataset(moto.endpoint_url, args.rows, args.save_every, args.servers, args.max_tokens, args.workers)
+        moto_rss = rss_kb(moto._proc.pid) / 1024 if moto._proc else 0.0  # noqa: SLF001 - our own child
+        print(f"dataset: {totals['rows']:,} rows in {totals['chunks']:,} chunks; parts {totals['part_bytes'] / 2**30:.2f} GiB "
+              f"(text {totals['text_bytes'] / 2**30:.2f} GiB before compression), inputs "
+              f"{totals['input_bytes'] / 2**20:.0f} MiB; written in {totals['write_s']} s; moto RSS {moto_rss:,.0f} MiB",
+              flush=True)
+
+        load = wait_for_quiet(args.max_load)
+        print(f"validation (load average {load:.2f}, {Path('/proc/loadavg').read_text().split()[:3]})", flush=True)
+        v = _child(["--child", "validate", "--endpoint", moto.endpoint_url])
+        print(json.dumps(v, indent=1), flush=True)
+        print(f"VALIDATION: {v['rows']:,} rows in {v['wall_s']} s = {v['rows_per_s']:,} rows/s, "
+              f"peak RSS {v['maxrss_mib']} MiB, cpu {v['cpu_s']} s, {v['status'][:60]}", flush=True)
+
+        load = wait_for_quiet(args.max_load)
+        print(f"recount sample (load average {load:.2f})", flush=True)
+        rc = _child(["--child", "recount", "--endpoint", moto.endpoint_url, "--recount-parts", str(args.recount_parts)])
+        print(json.dumps(rc, indent=1), flush=True)
+        print(f"RECOUNT: {rc['rows']:,} rows, {rc['output_tokens'] + rc['training_tokens']:,} tokens in {rc['seconds']} s "
+              f"= {rc['tokens_per_s']:,} tokens/s ({rc['output_tokens_per_s']:,} output tokens/s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

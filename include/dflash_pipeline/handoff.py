@@ -1,0 +1,115 @@
+"""The hand-off to downstream DAGs: one Airflow Asset, updated by every validated dataset.
+
+Why: tokenization (or any consumer) should start when a dataset passed validation, not on a clock,
+and should learn *which* dataset from the event, not from a guess. `validate_and_count` has the
+asset as its outlet and, on success only, attaches `event_extra(report)`; a DAG with
+`schedule=[COMPLETIONS_ASSET]` is queued by the scheduler and reads the extra from
+`triggering_asset_events`.
+
+The asset is static (one per deployment, not one per output_uri) because schedules are fixed at
+parse time; the extra names the dataset. Its URI uses an `x-` scheme: Airflow 3 accepts any scheme
+but `airflow`, and leaves `x-` URIs un-normalised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from dflash_pipeline.config import ConfigError
+from dflash_pipeline.layout import DatasetLayout
+from dflash_pipeline.store import Store, with_retries
+
+logger = logging.getLogger(__name__)
+
+ASSET_NAME = "dflash_completions"
+ASSET_URI = "x-dflash://completions"
+HANDOFF_FORMAT = "dflash-pipeline/handoff/1"
+HEADLINE_KEYS = (
+    "prompts", "completions", "errors", "missing", "duplicates", "truncated", "prompt_tokens", "output_tokens",
+    "reasoning_tokens", "training_tokens",
+)
+
+
+class HandoffError(ConfigError):
+    """The asset event does not point at a usable, validated dataset."""
+
+
+def completions_asset() -> Any:
+    """The Asset (airflow.sdk imported here, so the package stays importable without Airflow)."""
+    from airflow.sdk import Asset
+
+    return Asset(name=ASSET_NAME, uri=ASSET_URI, group="dflash")
+
+
+def event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the asset event carries: where the dataset is and its headline counts (small, JSON)."""
+    layout = DatasetLayout.from_uri(report["output_uri"])
+    extra: dict[str, Any] = {
+        "format": HANDOFF_FORMAT,
+        "output_uri": layout.uri,
+        "bucket": layout.bucket,
+        "manifest_key": report["manifest_key"],
+        "report_key": report["report_key"],
+        "completions_prefix": layout.completions_prefix,
+        "model": report.get("model"),
+        "status": report.get("status"),
+    }
+    extra.update({k: report.get(k) for k in HEADLINE_KEYS})
+    return extra
+
+
+def extras_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The extras of the triggering events that came from dflash_generate (others are ignored)."""
+    out = []
+    for ev in events:
+        extra = dict(getattr(ev, "extra", None) or {})
+        if extra.get("format") == HANDOFF_FORMAT:
+            out.append(extra)
+        else:
+            logger.warning("ignoring an asset event without a dflash hand-off extra: %s", extra)
+    return out
+
+
+def check_handoff(client: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Verify that the dataset an event names is there and validated: manifest, report, counts agree."""
+    output_uri = extra.get("output_uri")
+    if not output_uri:
+        raise HandoffError(f"asset event extra has no output_uri: {dict(extra)}")
+    layout = DatasetLayout.from_uri(str(output_uri))
+    store = Store(client, layout.bucket)
+    manifest_key = str(extra.get("manifest_key") or layout.manifest_key)
+    report_key = str(extra.get("report_key") or layout.report_key)
+    got_manifest = with_retries(lambda: store.get(manifest_key), what="read manifest")
+    if got_manifest is None:
+        raise HandoffError(f"s3://{layout.bucket}/{manifest_key} does not exist")
+    got_report = with_retries(lambda: store.get(report_key), what="read report")
+    if got_report is None:
+        raise HandoffError(f"s3://{layout.bucket}/{report_key} does not exist")
+    manifest = json.loads(got_manifest[0])
+    report = json.loads(got_report[0])
+    if report.get("status") != "passed":
+        raise HandoffError(f"{layout.uri}: report status is {report.get('status')!r}, not 'passed'")
+    differ = {k: (extra.get(k), report.get(k)) for k in HEADLINE_KEYS if k in extra and extra.get(k) != report.get(k)}
+    if differ:
+        # The dataset was validated again (or changed) after this event: trust the report, say so.
+        logger.warning("%s: report differs from the event (event, report): %s", layout.uri, differ)
+    parts = sum(1 for _ in store.list(layout.completions_prefix))
+    result = {
+        "output_uri": layout.uri,
+        "manifest_key": manifest_key,
+        "report_key": report_key,
+        "plan_id": manifest.get("plan_id"),
+        "parts": parts,
+        "completions": report.get("completions"),
+        "training_tokens": report.get("training_tokens"),
+        "differs_from_event": sorted(differ),
+    }
+    logger.info(
+        "hand-off ok: %s, %s parts, %s completions, %s output tokens (manifest s3://%s/%s, report s3://%s/%s)",
+        layout.uri, parts, report.get("completions"), report.get("output_tokens"), layout.bucket, manifest_key,
+        layout.bucket, report_key,
+    )
+    return result

@@ -1,0 +1,250 @@
+"""Recount a dataset's tokens with the training tokenizer.
+
+Why: servers report `usage`, but the drafter is trained on what *our* tokenizer makes of the saved
+text. Two figures come out of one pass:
+
+* output tokens per row (reasoning + answer as saved), compared with the server's
+  `completion_tokens`: a tokenizer that is not the served model's, or text that was mangled on the
+  way (parser mis-filing, truncation, encoding), shows up as mismatches;
+* `training_tokens`: the whole conversation (prompt, reasoning, answer) rendered with the model's
+  chat template and tokenized, which is what tokenization downstream produces.
+
+The tokenizer is a `tokenizer.json` (local file, model directory, `s3://…/tokenizer.json` or an S3
+prefix holding it). The chat template comes from `chat_template.jinja` or
+`tokenizer_config.json`'s `chat_template` next to it; without one, `FALLBACK_CHAT_TEMPLATE`
+(ChatML with Qwen3's `<think>` block) is used and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_pipeline.config import ConfigError
+from dflash_pipeline.layout import UriError, parse_s3_uri
+
+logger = logging.getLogger(__name__)
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+STOP_TOKEN_ALLOWANCE = 1
+"""SGLang may count the stop token (`<|im_end|>`) in completion_tokens; the saved text never has it."""
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "{{ '<think>\\n' + message['reasoning_content'].strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{{ message['content'].lstrip('\\n') }}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML as Qwen2/Qwen3 render it, with the reasoning in `<think>\\n…\\n</think>\\n\\n` before the answer."""
+
+
+@dataclass
+class TokenizerFiles:
+    """Where a tokenizer came from and what was found next to it."""
+
+    spec: str
+    tokenizer_json: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
+    template_source: str = "fallback"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot read {path.name}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _pick_template(config: dict[str, Any], jinja_file: Path | None) -> tuple[str | None, str]:
+    if jinja_file is not None and jinja_file.is_file():
+        return jinja_file.read_text(), "chat_template.jinja"
+    tpl = config.get("chat_template")
+    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if isinstance(tpl, str) and tpl.strip():
+        return tpl, "tokenizer_config.json"
+    return None, "fallback"
+
+
+def _local_files(spec: str) -> TokenizerFiles:
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        folder, tj = p, p / "tokenizer.json"
+    else:
+        folder, tj = p.parent, p
+    if not tj.is_file():
+        raise ConfigError(f"tokenizer {spec!r}: {tj} does not exist (give a tokenizer.json or a model directory)")
+    cfg_path = folder / "tokenizer_config.json"
+    config = _read_config(cfg_path) if cfg_path.is_file() else {}
+    template, source = _pick_template(config, folder / "chat_template.jinja")
+    return TokenizerFiles(spec, tj, config, template, source)
+
+
+def fetch_tokenizer(spec: str, s3_get: Callable[[str, str], bytes | None], workdir: Path) -> TokenizerFiles:
+    """Resolve `spec` to local files; `s3_get(bucket, key)` returns the bytes or None if absent."""
+    if not spec.startswith("s3://"):
+        return _local_files(spec)
+    try:
+        uri = parse_s3_uri(spec, what="tokenizer")
+    except UriError as exc:
+        raise ConfigError(str(exc)) from exc
+    if uri.key.endswith(".json"):
+        tj_key = uri.key
+        prefix = uri.key.rsplit("/", 1)[0] if "/" in uri.key else ""
+    else:
+        prefix = uri.key
+        tj_key = f"{prefix}/tokenizer.json"
+
+    def key(name: str) -> str:
+        return f"{prefix}/{name}" if prefix else name
+
+    data = s3_get(uri.bucket, tj_key)
+    if data is None:
+        raise ConfigError(f"tokenizer {spec!r}: s3://{uri.bucket}/{tj_key} does not exist")
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "tokenizer.json").write_bytes(data)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        extra = s3_get(uri.bucket, key(name))
+        if extra is not None:
+            (workdir / name).write_bytes(extra)
+    files = _local_files(str(workdir))
+    files.spec = spec
+    return files
+
+
+def _jinja_env() -> Any:
+    """A sandboxed environment configured like the one Hugging Face renders chat templates with."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+@dataclass
+class RecountResult:
+    """Per-row figures of one batch (numpy int64 arrays, one entry per row given)."""
+
+    reasoning: np.ndarray
+    content: np.ndarray
+    training: np.ndarray
+
+    @property
+    def output(self) -> np.ndarray:
+        return self.reasoning + self.content
+
+
+class Recounter:
+    """Counts tokens of saved rows with one tokenizer and one chat template (batch encoding)."""
+
+    def __init__(self, files: TokenizerFiles, enable_thinking: bool = True) -> None:
+        from tokenizers import Tokenizer
+
+        try:
+            self.tokenizer = Tokenizer.from_file(str(files.tokenizer_json))
+        except Exception as exc:  # noqa: BLE001 - the Rust error says what is wrong with the file
+            raise ConfigError(f"tokenizer {files.spec!r}: not a tokenizers file: {exc}") from exc
+        self.files = files
+        self.enable_thinking = enable_thinking
+        source = files.chat_template or FALLBACK_CHAT_TEMPLATE
+        self.template = _jinja_env().from_string(source)
+        self.template_source = files.template_source
+        # A template that knows nothing of reasoning_content gets the reasoning inline, as generated.
+        self.inline_reasoning = "reasoning_content" not in source
+        self.special = {k: v for k, v in ((k, _token_text(v)) for k, v in files.config.items() if k.endswith("_token")) if v is not None}
+        self.marker_tokens = self.count([f"{THINK_OPEN}\n"])[0] + self.count([f"\n{THINK_CLOSE}\n\n"])[0]
+
+    def count(self, texts: Sequence[str]) -> np.ndarray:
+        """Token counts of `texts` (no special tokens added), encoded as one parallel batch."""
+        if not texts:
+            return np.zeros(0, dtype=np.int64)
+        encs = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        return np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(texts))
+
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str) -> str:
+        """The whole conversation as training sees it: prompt messages + the assistant turn."""
+        if reasoning and self.inline_reasoning:
+            turn: dict[str, Any] = {"role": "assistant", "content": f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"}
+        else:
+            turn = {"role": "assistant", "content": content}
+            if reasoning:
+                turn["reasoning_content"] = reasoning
+        return str(
+            self.template.render(
+                messages=[*(dict(m) for m in messages), turn],
+                add_generation_prompt=False,
+                enable_thinking=self.enable_thinking,
+                tools=None,
+                **self.special,
+            )
+        )
+
+    def recount(
+        self,
+        messages: Sequence[list[dict[str, Any]] | None],
+        reasoning: Sequence[str | None],
+        content: Sequence[str | None],
+    ) -> RecountResult:
+        n = len(content)
+        r_texts = [r or "" for r in reasoning]
+        c_texts = [c or "" for c in content]
+        convs = [self.render(list(m or []), r or None, c) for m, r, c in zip(messages, reasoning, c_texts)]
+        counts = self.count([*r_texts, *c_texts, *convs])
+        return RecountResult(counts[:n], counts[n : 2 * n], counts[2 * n :])
+
+    def allowed_overhead(self, has_reasoning: np.ndarray) -> np.ndarray:
+        """Most tokens a server may count beyond the saved text: think markers (+ newlines) and the stop token."""
+        return np.where(has_reasoning, self.marker_tokens, 0) + STOP_TOKEN_ALLOWANCE
+
+
+def load_recounter(
+    spec: str, s3_get: Callable[[str, str], bytes | None], enable_thinking: bool, workdir: Path | None = None
+) -> Recounter:
+    """Fetch (if on S3) and load the tokenizer named by the `tokenizer` param."""
+    work = workdir or Path(tempfile.mkdtemp(prefix="dflash-tokenizer-"))
+    files = fetch_tokenizer(spec, s3_get, work)
+    rec = Recounter(files, enable_thinking=enable_thinking)
+    logger.info(
+        "tokenizer %s: vocab %d, chat template from %s, think markers = %d token(s)",
+        spec, rec.tokenizer.get_vocab_size(), rec.template_source, rec.marker_tokens,
+    )
+    return rec

@@ -1,0 +1,326 @@
+"""HTML for the run page of the Airflow UI plugin, from plain data (no Airflow, no I/O here).
+
+Server-rendered on purpose: the page is an iframe inside Airflow's UI, it must work without a
+build step, and every figure it shows is computed once, in Python (`progress.aggregate`). A few
+lines of inline JS re-fetch the page's main block while the run is going.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import quote
+
+from dflash_pipeline.progress import format_duration
+
+TERMINAL = frozenset({"success", "failed"})
+_PALETTE = ("#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d", "#4d7c0f")
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px;color:#1f2937;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 8px}h3{font-size:14px;margin:4px 0 6px}
+.muted{color:#6b7280}.mono{font-family:ui-monospace,Menlo,monospace;font-size:12px}
+.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600;background:#e5e7eb}
+.s-success,.s-passed,.s-done{background:#d1fae5;color:#065f46}.s-failed,.s-stopped,.s-stale{background:#fee2e2;color:#991b1b}
+.s-running{background:#dbeafe;color:#1e40af}.s-failing,.s-retrying,.s-up_for_retry{background:#fef3c7;color:#92400e}
+.s-queued,.s-scheduled,.s-idle{background:#f3f4f6;color:#374151}
+.bar{position:relative;height:18px;background:#f3f4f6;border-radius:4px;overflow:hidden;min-width:160px}
+.bar>span{position:absolute;top:0;bottom:0}.bar .earlier{background:#9ca3af}.bar .committed{background:#10b981}
+.bar .pending{background:#a7f3d0}.bar .share{background:#3b82f6}
+.bar>b{position:absolute;left:6px;top:0;font-size:12px;font-weight:600;line-height:18px;color:#111827}
+.runbar{height:26px}.runbar>b{line-height:26px;font-size:13px}
+table{border-collapse:collapse;margin:4px 0}td,th{padding:3px 10px 3px 0;text-align:left;vertical-align:middle}
+th{font-weight:600;border-bottom:1px solid #e5e7eb}td.n,th.n{text-align:right}
+.kpis{display:flex;flex-wrap:wrap;gap:18px;margin:10px 0}.kpi b{display:block;font-size:18px}
+.err{color:#991b1b}.plots{display:flex;flex-wrap:wrap;gap:8px;align-items:flex-start}
+.plots img{max-width:min(100%,620px);border:1px solid #e5e7eb}
+.cols{display:flex;flex-wrap:wrap;gap:28px;align-items:flex-start}
+.legend span{margin-right:12px;font-size:12px}.legend i{display:inline-block;width:10px;height:3px;margin-right:4px;vertical-align:middle}
+"""
+
+_JS = """
+(function(){
+  var every = %d;
+  function tick(){
+    var main = document.getElementById('dflash-main');
+    if(!main || main.getAttribute('data-final') === '1'){ return; }
+    var u = new URL(window.location.href); u.searchParams.set('fragment','1');
+    fetch(u.toString(), {credentials:'same-origin', headers:{'Accept':'text/html'}})
+      .then(function(r){ if(!r.ok){ throw new Error('HTTP '+r.status); } return r.text(); })
+      .then(function(t){ main.outerHTML = t; })
+      .catch(function(e){ var s=document.getElementById('dflash-refresh'); if(s){ s.textContent='refresh failed: '+e.message; } })
+      .finally(function(){ setTimeout(tick, every*1000); });
+  }
+  setTimeout(tick, every*1000);
+})();
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x))
+
+
+def _n(x: Any) -> str:
+    """Thousands separators for ints, one decimal for floats, a dash for None."""
+    if x is None:
+        return "\u2014"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        return f"{x:,.1f}" if abs(x) >= 10 or x == int(x) else f"{x:,.3g}"
+    return _e(x)
+
+
+def _badge(state: Any) -> str:
+    s = _e(state or "none")
+    return f'<span class="badge s-{s}">{s}</span>'
+
+
+def _pct(f: float) -> str:
+    return f"{100 * f:.1f} %"
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "\u2014"
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def page(title: str, body: str, *, refresh_s: int | None = None) -> str:
+    """A whole HTML document around `body`."""
+    js = f"<script>{_JS % refresh_s}</script>" if refresh_s else ""
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+            f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{_CSS}</style></head>'
+            f"<body>{body}{js}</body></html>")
+
+
+def message_page(title: str, text: str, *, link: tuple[str, str] | None = None) -> str:
+    extra = f'<p><a href="{_e(link[0])}" target="_top">{_e(link[1])}</a></p>' if link else ""
+    return page(title, f"<h1>{_e(title)}</h1><p>{_e(text)}</p>{extra}")
+
+
+# --------------------------------------------------------------------------------------- pieces
+
+
+def run_bar(p: Mapping[str, Any]) -> str:
+    """The whole run: earlier runs, committed by this run, finished but not yet in a part."""
+    total = max(1, int(p["prompts_total"]))
+    earlier = int(p.get("prompts_done_earlier_runs", 0))
+    committed = max(0, int(p["prompts_committed"]) - earlier)
+    pending = int(p["prompts_pending_commit"])
+    segs, left = [], 0.0
+    for cls, n in (("earlier", earlier), ("committed", committed), ("pending", pending)):
+        w = 100.0 * n / total
+        if w > 0:
+            segs.append(f'<span class="{cls}" style="left:{left:.3f}%;width:{w:.3f}%"></span>')
+        left += w
+    label = f"{_n(p['prompts_done'])} of {_n(p['prompts_total'])} prompts \u00b7 {_pct(p['fraction_done'])}"
+    return (f'<div class="bar runbar" id="run-progress" role="progressbar" aria-valuemin="0" '
+            f'aria-valuemax="{total}" aria-valuenow="{p["prompts_done"]}">{"".join(segs)}<b>{label}</b></div>')
+
+
+def server_bar(s: Mapping[str, Any]) -> str:
+    w = 100.0 * float(s.get("share", 0.0))
+    return (f'<div class="bar server-progress" role="progressbar" aria-valuenow="{s["rows"]}">'
+            f'<span class="share" style="left:0;width:{w:.3f}%"></span><b>{_n(s["rows"])} rows \u00b7 {_pct(s["share"])}'
+            f"</b></div>")
+
+
+def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 200) -> str:
+    """Output tokens/s over time: the fleet's sum (thick) and each server (thin)."""
+    t = list(series.get("t") or [])
+    if len(t) < 2:
+        return '<p class="muted">Throughput appears after the first two progress samples.</p>'
+    total = list(series["total"])
+    servers: Mapping[str, Sequence[float]] = series.get("servers") or {}
+    ymax = max([1.0, *total, *(v for vals in servers.values() for v in vals)]) * 1.1
+    pad_l, pad_b, pad_t = 52, 22, 8
+    w, h = width - pad_l - 8, height - pad_b - pad_t
+    t0, span = t[0], max(1e-9, t[-1] - t[0])
+
+    def pts(vals: Sequence[float]) -> str:
+        return " ".join(f"{pad_l + w * (ti - t0) / span:.1f},{pad_t + h * (1 - v / ymax):.1f}" for ti, v in zip(t, vals))
+
+    lines = []
+    legend = ['<span><i style="background:#111827;height:4px"></i>fleet</span>']
+    for i, (name, vals) in enumerate(sorted(servers.items())):
+        color = _PALETTE[i % len(_PALETTE)]
+        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{pts(vals)}"/>')
+        legend.append(f'<span><i style="background:{color}"></i>{_e(name)}</span>')
+    lines.append(f'<polyline fill="none" stroke="#111827" stroke-width="2.4" points="{pts(total)}"/>')
+    grid = []
+    for frac in (0.0, 0.5, 1.0):
+        val = ymax / 1.1 * frac
+        y = pad_t + h * (1 - val / ymax)
+        grid.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>'
+                    f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end" fill="#6b7280">{val:,.0f}</text>')
+    axis = (f'<text x="{pad_l}" y="{height - 5}" font-size="11" fill="#6b7280">0</text>'
+            f'<text x="{pad_l + w}" y="{height - 5}" font-size="11" text-anchor="end" fill="#6b7280">'
+            f"{_e(format_duration(span))}</text>"
+            f'<text x="{pad_l + w / 2}" y="{height - 5}" font-size="11" text-anchor="middle" fill="#6b7280">'
+            f"output tokens/s over time</text>")
+    return (f'<svg id="throughput" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+            f'role="img" aria-label="output tokens per second over time">{"".join(grid)}{"".join(lines)}{axis}</svg>'
+            f'<div class="legend">{"".join(legend)}</div>')
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, cls: str = "", numeric: Sequence[int] = ()) -> str:
+    head = "".join(f'<th class="{"n" if i in numeric else ""}">{_e(h)}</th>' for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="{"n" if i in numeric else ""}">{c}</td>' for i, c in enumerate(r))
+                   + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def servers_table(p: Mapping[str, Any]) -> str:
+    rows = []
+    for s in p["servers"]:
+        errs = ", ".join(f"{_e(k)} {_n(v)}" for k, v in sorted((s.get("errors_by_class") or {}).items())) or ""
+        conc = s.get("concurrency")
+        rows.append([
+            f'<span class="mono">{_e(s["server"])}</span><br><span class="muted">{_e(s["worker"])}</span>',
+            _badge(s["state"]) + (f'<br><span class="muted">waiting {_e(format_duration(s["idle_s"]))}</span>'
+                                  if s.get("idle_s") else ""),
+            server_bar(s),
+            _n(s["completions"]),
+            f'{_n(s["errors"])}<br><span class="muted">{errs}</span>' if errs else _n(s["errors"]),
+            _n(round(s["output_tokens_per_s"])),
+            f'{_n(s["in_flight"])} / {_n(conc)}' if conc else _n(s["in_flight"]),
+            _n(s["chunks_committed"]),
+            _e(",".join(str(t) for t in s.get("tries") or [] if t is not None)),
+            f'{_e(format_duration(s["updated_s_ago"]))} ago',
+        ])
+    return _table(["server", "state", "share of the run", "completions", "errors", "tok/s", "in flight",
+                   "parts", "tries", "updated"], rows, cls="servers", numeric=(3, 5, 6, 7))
+
+
+def progress_section(p: Mapping[str, Any], run_state: str | None) -> str:
+    kpis = [
+        ("done", f'{_n(p["prompts_done"])} / {_n(p["prompts_total"])}'),
+        ("remaining", _n(p["prompts_remaining"])),
+        ("ETA", format_duration(p["eta_s"]) if run_state not in TERMINAL else "\u2014"),
+        (f"output tok/s (fleet, last {int(p.get('rate_window_s') or 300) // 60} min)", _n(round(p["output_tokens_per_s"]))),
+        ("mean output tokens", _n(p["mean_output_tokens"])),
+        ("completions", _n(p["completions"])),
+        ("errors", _n(p["errors"])),
+        ("in flight", _n(p["in_flight"])),
+        ("parts", f'{_n(p["chunks_committed"])} / {_n(p["chunks_total"])}'),
+    ]
+    kpi_html = "".join(f'<div class="kpi" data-kpi="{_e(k)}"><span class="muted">{_e(k)}</span><b>{v}</b></div>'
+                       for k, v in kpis)
+    legend = ('<div class="legend"><span><i style="background:#9ca3af;height:8px"></i>earlier runs</span>'
+              '<span><i style="background:#10b981;height:8px"></i>committed by this run</span>'
+              '<span><i style="background:#a7f3d0;height:8px"></i>finished, part not written yet</span></div>')
+    errors = ""
+    if p["errors_by_class"]:
+        errors = "<h2>Errors by class</h2>" + _table(
+            ["error class", "rows"], [[_e(k), _n(v)] for k, v in sorted(p["errors_by_class"].items())],
+            cls="errors", numeric=(1,))
+    servers = servers_table(p) if p["servers"] else '<p class="muted">No generate task has reported yet.</p>'
+    return (f'<section id="progress"><h2>Progress</h2>{run_bar(p)}{legend}<div class="kpis">{kpi_html}</div>'
+            f"<h2>Servers</h2>{servers}{errors}<h2>Throughput</h2>{throughput_svg(p['series'])}</section>")
+
+
+_REPORT_SCALARS = (
+    "status", "prompts", "completions", "errors", "retryable_errors", "missing", "duplicates", "coverage",
+    "error_rate", "truncation_rate", "truncated", "empty_content", "prompt_tokens", "output_tokens",
+    "reasoning_tokens", "mean_output_tokens", "training_tokens", "model", "validated_at", "elapsed_s",
+)
+
+
+def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[str, str]], md_url: str | None) -> str:
+    if report is None:
+        return ('<section id="report"><h2>Report</h2><p class="muted">No report yet: validate_and_count writes it '
+                "when every generate task is done.</p></section>")
+    status = report.get("status")
+    parts = [f'<section id="report"><h2>Report {_badge(status)}</h2>']
+    if report.get("problems"):
+        parts.append('<ul class="err">' + "".join(f"<li>{_e(x)}</li>" for x in report["problems"]) + "</ul>")
+    rows = [[_e(k), _n(report[k])] for k in _REPORT_SCALARS if k in report and not isinstance(report[k], (dict, list))]
+    parts.append('<div class="cols"><div>' + _table(["figure", "value"], rows, cls="report-figures", numeric=(1,))
+                 + "</div><div>")
+    checks = report.get("checks") or []
+    if checks:
+        parts.append("<h3>Thresholds</h3>" + _table(
+            ["check", "figure", "limit", "ok"],
+            [[_e(c.get("name")), _e(c.get("figure")), f'{_e(c.get("threshold"))}={_e(c.get("limit"))}',
+              _badge("passed" if c.get("ok") else "failed")] for c in checks], cls="report-checks"))
+    per_server = report.get("per_server") or {}
+    if per_server:
+        cols = sorted({k for s in per_server.values() for k, v in s.items() if not isinstance(v, (dict, list))})
+        preferred = [c for c in ("rows", "completions", "errors", "truncated", "output_tokens", "mean_latency_s",
+                                 "output_tokens_per_request_s") if c in cols]
+        parts.append("<h3>Per server</h3>" + _table(
+            ["server", *preferred], [[f'<span class="mono">{_e(n)}</span>', *(_n(s.get(c)) for c in preferred)]
+                                     for n, s in per_server.items()],
+            cls="report-servers", numeric=tuple(range(1, len(preferred) + 1))))
+    parts.append("</div></div>")
+    if md_url:
+        parts.append(f'<p><a href="{_e(md_url)}">report.md</a> \u00b7 '
+                     f'<span class="mono">{_e(report.get("report_key"))}</span></p>')
+    if plot_urls:
+        parts.append('<h2>Plots</h2><div class="plots">' + "".join(
+            f'<img src="{_e(u)}" alt="{_e(n)}" loading="lazy">' for n, u in plot_urls) + "</div>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def tasks_line(tasks: Sequence[Mapping[str, Any]]) -> str:
+    if not tasks:
+        return ""
+    items = []
+    for t in tasks:
+        name = t["task_id"] if int(t.get("map_index", -1)) < 0 else f'{t["task_id"]}[{t["map_index"]}]'
+        items.append(f'<span class="task">{_e(name)} {_badge(t.get("state"))}</span>')
+    return '<p class="tasks">' + " ".join(items) + "</p>"
+
+
+def run_main(view: Mapping[str, Any]) -> str:
+    """The block the page refreshes: everything below the title."""
+    run_state = view.get("run_state")
+    final = run_state in TERMINAL and (view.get("report") is not None or view.get("progress") is None
+                                       or view.get("report_missing_final", False))
+    parts = [f'<div id="dflash-main" data-final="{1 if final else 0}">']
+    parts.append(f'<p>{_badge(run_state)} <span class="mono">{_e(view.get("output_uri"))}</span> '
+                 f'<span class="muted">\u00b7 started {_e(_when(view.get("run_started_at")))} \u00b7 page '
+                 f'{_e(_when(view.get("now")))}</span> <span class="muted" id="dflash-refresh">'
+                 f'{"" if final else "refreshes every %d s" % int(view.get("refresh_s", 10))}</span></p>')
+    parts.append(tasks_line(view.get("tasks") or []))
+    for msg in view.get("warnings") or []:
+        parts.append(f'<p class="err">{_e(msg)}</p>')
+    if view.get("progress") is not None:
+        parts.append(progress_section(view["progress"], run_state))
+    else:
+        parts.append('<p class="muted">No plan yet: the manifest appears when the plan task has run.</p>')
+    parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url")))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def run_page(view: Mapping[str, Any]) -> str:
+    title = f'{view["dag_id"]} \u00b7 {view["run_id"]}'
+    links = " \u00b7 ".join(f'<a href="{_e(u)}" target="_top">{_e(t)}</a>' for t, u in view.get("links") or [])
+    body = (f'<h1>DFlash run <span class="mono">{_e(view["run_id"])}</span></h1>'
+            f'<p class="muted">{links}</p>{run_main(view)}')
+    return page(title, body, refresh_s=int(view.get("refresh_s", 10)))
+
+
+def index_page(dag_id: str, runs: Sequence[Mapping[str, Any]], run_url: Any) -> str:
+    """Recent runs, each linking to its page (`run_url(run_id) -> str`)."""
+    rows = [[f'<a href="{_e(run_url(r["run_id"]))}">{_e(r["run_id"])}</a>', _badge(r.get("state")),
+             _e(_when(r.get("start"))), f'<span class="mono">{_e(r.get("output_uri"))}</span>'] for r in runs]
+    table = _table(["run", "state", "started", "output_uri"], rows, cls="runs") if rows else \
+        '<p class="muted">No runs yet.</p>'
+    return page(f"{dag_id} runs", f"<h1>{_e(dag_id)}: recent runs</h1>{table}")
+
+
+def quote_id(x: str) -> str:
+    return quote(x, safe="")
+
+
+def to_json(view: Mapping[str, Any]) -> str:
+    return json.dumps(view, default=str)

@@ -1,0 +1,259 @@
+"""The FastAPI app behind the Airflow UI plugin (`plugins/dflash_progress.py` mounts it).
+
+Auth is Airflow's own: every route depends on `requires_access_dag` from
+`airflow.api_fastapi.core_api.security`, which takes the user from the `Authorization: Bearer`
+header or the UI's `_token` cookie (so the page works inside the UI's iframe) and asks the auth
+manager whether that user may read the DAG's runs. No user, no page: 401 (403 without the right).
+
+The run's conf (from Airflow's DB) names `output_uri` and `aws_conn_id`; everything else is read
+from S3 through the S3Hook with that connection: the manifest, the committed parts (listed, never
+read), the workers' progress objects, the report and its plots. This module imports Airflow's API
+server modules at import, so only the API server imports it (the plugin builds the app on first
+request).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.common.db.common import SessionDep
+from airflow.api_fastapi.core_api.security import requires_access_dag
+from airflow.models.dagrun import DagRun
+from airflow.models.taskinstance import TaskInstance
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from sqlalchemy import select
+
+from dflash_pipeline import ui
+from dflash_pipeline.layout import DatasetLayout, UriError, chunk_of_key
+from dflash_pipeline.progress import aggregate
+from dflash_pipeline.store import Store
+
+logger = logging.getLogger(__name__)
+
+URL_PREFIX = "/dflash"
+DEFAULT_DAG_ID = "dflash_generate"
+REFRESH_S = 10
+_PLOT_RE = re.compile(r"^report-[a-z0-9][a-z0-9-]{0,80}\.png$")
+_CLIENT_TTL_S = 300.0
+_clients: dict[str, tuple[float, Any]] = {}
+_clients_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------------- S3 reading
+
+
+def _s3_client(aws_conn_id: str) -> Any:
+    """A boto3 client from the Airflow connection, reused for a few minutes (creating one is slow)."""
+    now = time.monotonic()
+    with _clients_lock:
+        hit = _clients.get(aws_conn_id)
+        if hit is not None and now - hit[0] < _CLIENT_TTL_S:
+            return hit[1]
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    client = S3Hook(aws_conn_id=aws_conn_id).get_conn()
+    with _clients_lock:
+        _clients[aws_conn_id] = (now, client)
+    return client
+
+
+def _json(store: Store, key: str) -> dict[str, Any] | None:
+    got = store.get(key)
+    return None if got is None else json.loads(got[0])
+
+
+def collect(store: Store, layout: DatasetLayout, run_id: str, *, run_started_at: float | None,
+            task_states: Mapping[str, str], now: float) -> dict[str, Any]:
+    """Everything the page shows that lives in S3, already aggregated."""
+    out: dict[str, Any] = {"progress": None, "report": None, "plots": [], "warnings": []}
+    manifest = _json(store, layout.manifest_key)
+    prefix = layout.run_key(run_id, "progress/")
+    docs: list[dict[str, Any]] = []
+    for obj in store.list(prefix):
+        if not obj.key.endswith(".json"):
+            continue
+        try:
+            doc = _json(store, obj.key)
+        except ValueError:
+            out["warnings"].append(f"unreadable progress object {obj.key}")
+            continue
+        if doc is not None:
+            docs.append(doc)
+    if manifest is not None:
+        committed: dict[int, float] = {}
+        for obj in store.list(layout.completions_prefix):
+            c = chunk_of_key(obj.key)
+            if c is not None:
+                committed[c] = obj.last_modified.timestamp()
+        out["progress"] = aggregate(manifest, committed, docs, now=now, run_started_at=run_started_at,
+                                    task_states=task_states)
+    report = _json(store, layout.report_key)
+    if report is not None:
+        out["report"] = report
+        names = [k.rsplit("/", 1)[-1] for k in (report.get("files") or {}).get("plots") or []]
+        if not names:
+            names = [o.key.rsplit("/", 1)[-1] for o in store.list(f"{layout.root}/report-")]
+        out["plots"] = sorted(n for n in names if _PLOT_RE.match(n))
+    return out
+
+
+# ------------------------------------------------------------------------------------ Airflow DB
+
+
+def _dag_run(session: Any, dag_id: str, run_id: str) -> Any:
+    run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+    if run is None:
+        raise HTTPException(status_code=404, detail=f"no run {run_id!r} of DAG {dag_id!r}")
+    return run
+
+
+def _task_instances(session: Any, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+    rows = session.execute(
+        select(TaskInstance.task_id, TaskInstance.map_index, TaskInstance.state, TaskInstance.try_number)
+        .where(TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id)
+        .order_by(TaskInstance.task_id, TaskInstance.map_index)
+    ).all()
+    return [{"task_id": r[0], "map_index": int(r[1]), "state": r[2], "try_number": int(r[3] or 0)} for r in rows]
+
+
+def _ts(dt: Any) -> float | None:
+    return None if dt is None else dt.timestamp()
+
+
+def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any]:
+    """The data of one run's page (also what the JSON endpoint returns)."""
+    run = _dag_run(session, dag_id, run_id)
+    conf = dict(run.conf or {})
+    tasks = _task_instances(session, dag_id, run_id)
+    now = time.time()
+    run_base = f"{base}/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}"
+    view: dict[str, Any] = {
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "run_state": str(run.state) if run.state is not None else None,
+        "run_started_at": _ts(run.start_date),
+        "run_ended_at": _ts(run.end_date),
+        "output_uri": conf.get("output_uri"),
+        "aws_conn_id": conf.get("aws_conn_id") or "aws_default",
+        "tasks": tasks,
+        "now": now,
+        "refresh_s": REFRESH_S,
+        "progress": None,
+        "report": None,
+        "plot_urls": [],
+        "report_md_url": None,
+        "warnings": [],
+        "links": [("Airflow run", f"/dags/{ui.quote_id(dag_id)}/runs/{ui.quote_id(run_id)}"),
+                  ("all runs", f"{base}/"), ("JSON", f"{base}/api/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}")],
+    }
+    if not view["output_uri"]:
+        view["warnings"].append("This run's conf has no output_uri: not a dflash_generate run.")
+        view["report_missing_final"] = True
+        return view
+    try:
+        layout = DatasetLayout.from_uri(str(view["output_uri"]))
+    except UriError as exc:
+        view["warnings"].append(str(exc))
+        return view
+    task_states = {f"w{t['map_index']:04d}": t["state"] for t in tasks if t["task_id"] == "generate"}
+    try:
+        store = Store(_s3_client(str(view["aws_conn_id"])), layout.bucket)
+        data = collect(store, layout, run_id, run_started_at=view["run_started_at"], task_states=task_states, now=now)
+    except Exception as exc:  # noqa: BLE001 - the page shows what it could not read
+        logger.warning("dflash page: reading %s failed: %s", layout.uri, exc)
+        view["warnings"].append(f"could not read {layout.uri} with connection {view['aws_conn_id']!r}: "
+                                f"{type(exc).__name__}: {exc}")
+        return view
+    view["progress"] = data["progress"]
+    view["report"] = data["report"]
+    view["warnings"] += data["warnings"]
+    if data["report"] is not None:
+        view["plot_urls"] = [(n, f"{run_base}/plots/{n}") for n in data["plots"]]
+        view["report_md_url"] = f"{run_base}/report.md"
+    # A finished run whose validation never wrote a report: stop refreshing anyway.
+    validate_states = [t["state"] for t in tasks if t["task_id"] == "validate_and_count"]
+    view["report_missing_final"] = bool(validate_states) and validate_states[0] in ("failed", "upstream_failed")
+    return view
+
+
+def _read_run_object(session: Any, dag_id: str, run_id: str, name: str) -> tuple[bytes, str]:
+    run = _dag_run(session, dag_id, run_id)
+    conf = dict(run.conf or {})
+    if not conf.get("output_uri"):
+        raise HTTPException(status_code=404, detail="not a dflash_generate run")
+    layout = DatasetLayout.from_uri(str(conf["output_uri"]))
+    store = Store(_s3_client(str(conf.get("aws_conn_id") or "aws_default")), layout.bucket)
+    key = f"{layout.root}/{name}"
+    got = store.get(key)
+    if got is None:
+        raise HTTPException(status_code=404, detail=f"s3://{layout.bucket}/{key} does not exist")
+    return got[0], key
+
+
+# -------------------------------------------------------------------------------------------- app
+
+
+def create_app(url_prefix: str = URL_PREFIX) -> FastAPI:
+    """The plugin's app; every route requires read access to the DAG's runs."""
+    can_read_runs = Depends(requires_access_dag("GET", DagAccessEntity.RUN))
+    can_read_default = Depends(requires_access_dag("GET", DagAccessEntity.RUN, param_dag_id=DEFAULT_DAG_ID))
+    app = FastAPI(title="dflash progress", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        """Browsers get a short page with a link to Airflow's login; API clients get JSON."""
+        if "text/html" in request.headers.get("accept", "") and exc.status_code in (401, 403, 404):
+            link = None
+            if exc.status_code == 401:
+                from airflow.api_fastapi.app import get_auth_manager
+
+                link = (get_auth_manager().get_url_login(next_url=str(request.url)), "Log in to Airflow")
+            body = ui.message_page(f"{exc.status_code}: {exc.detail}", "This page needs an Airflow login "
+                                   "with read access to the DAG's runs." if exc.status_code != 404 else "", link=link)
+            return HTMLResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/", response_class=HTMLResponse, dependencies=[can_read_default])
+    def index(session: SessionDep) -> HTMLResponse:
+        runs = session.scalars(select(DagRun).where(DagRun.dag_id == DEFAULT_DAG_ID)
+                               .order_by(DagRun.id.desc()).limit(50)).all()
+        items = [{"run_id": r.run_id, "state": str(r.state), "start": _ts(r.start_date),
+                  "output_uri": (r.conf or {}).get("output_uri")} for r in runs]
+        return HTMLResponse(ui.index_page(
+            DEFAULT_DAG_ID, items,
+            lambda rid: f"{url_prefix}/runs/{ui.quote_id(DEFAULT_DAG_ID)}/{ui.quote_id(rid)}"))
+
+    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[can_read_runs])
+    def run_page(dag_id: str, run_id: str, session: SessionDep, fragment: int = 0) -> HTMLResponse:
+        view = run_view(session, dag_id, run_id, url_prefix)
+        body = ui.run_main(view) if fragment else ui.run_page(view)
+        return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[can_read_runs])
+    def run_json(dag_id: str, run_id: str, session: SessionDep) -> JSONResponse:
+        view = run_view(session, dag_id, run_id, url_prefix)
+        view["links"] = [{"title": t, "href": u} for t, u in view["links"]]
+        view["plot_urls"] = [{"name": n, "href": u} for n, u in view["plot_urls"]]
+        return JSONResponse(json.loads(ui.to_json(view)), headers={"Cache-Control": "no-store"})
+
+    @app.get("/runs/{dag_id}/{run_id}/plots/{name}", dependencies=[can_read_runs])
+    def plot(dag_id: str, run_id: str, name: str, session: SessionDep) -> Response:
+        if not _PLOT_RE.match(name):
+            raise HTTPException(status_code=404, detail="no such plot")
+        data, _ = _read_run_object(session, dag_id, run_id, name)
+        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
+
+    @app.get("/runs/{dag_id}/{run_id}/report.md", dependencies=[can_read_runs])
+    def report_md(dag_id: str, run_id: str, session: SessionDep) -> PlainTextResponse:
+        data, _ = _read_run_object(session, dag_id, run_id, "report.md")
+        return PlainTextResponse(data.decode("utf-8", errors="replace"), media_type="text/markdown; charset=utf-8")
+
+    return app
