@@ -34,8 +34,11 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 venv: $(STAMP)
 
 # No path given: pytest runs testpaths (tests/); PYTEST_ARGS='tests/e2e -q' narrows it.
+# The suite's system needs: Chromium (browser test) and PostgreSQL + Redis on loopback (Celery
+# test), installed/started only when missing.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	bash scripts/ci_system_deps.sh
+	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

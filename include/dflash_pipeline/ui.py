@@ -198,12 +198,20 @@ def servers_table(p: Mapping[str, Any]) -> str:
                    "parts", "tries", "updated"], rows, cls="servers", numeric=(3, 5, 6, 7))
 
 
+def rate_kpi(p: Mapping[str, Any], run_state: str | None) -> tuple[str, str]:
+    """The fleet's recent rate while running; once finished, its mean over the recorded history."""
+    total = list((p.get("series") or {}).get("total") or [])
+    if run_state in TERMINAL and total:
+        return "output tok/s (fleet, mean)", _n(round(sum(total) / len(total)))
+    return f"output tok/s (fleet, last {int(p.get('rate_window_s') or 300) // 60} min)", _n(round(p["output_tokens_per_s"]))
+
+
 def progress_section(p: Mapping[str, Any], run_state: str | None) -> str:
     kpis = [
         ("done", f'{_n(p["prompts_done"])} / {_n(p["prompts_total"])}'),
         ("remaining", _n(p["prompts_remaining"])),
         ("ETA", format_duration(p["eta_s"]) if run_state not in TERMINAL else "\u2014"),
-        (f"output tok/s (fleet, last {int(p.get('rate_window_s') or 300) // 60} min)", _n(round(p["output_tokens_per_s"]))),
+        rate_kpi(p, run_state),
         ("mean output tokens", _n(p["mean_output_tokens"])),
         ("completions", _n(p["completions"])),
         ("errors", _n(p["errors"])),
