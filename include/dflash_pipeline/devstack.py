@@ -996,6 +996,22 @@ class AirflowStack:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         self._snapshot.clear()
+        if self.celery is not None:
+            self._clear_broker_keys()
+
+    def _clear_broker_keys(self) -> None:
+        """Delete this stack's keys (its ``key_prefix``) from the shared Redis; best effort."""
+        assert self.celery is not None
+        try:
+            import redis
+
+            client = redis.Redis.from_url(self.celery.broker_url, socket_connect_timeout=3, socket_timeout=5)
+            keys = list(client.scan_iter(match=self.celery.key_prefix + "*", count=500))
+            if keys:
+                client.delete(*keys)
+            log.info("deleted %d broker key(s) with prefix %s", len(keys), self.celery.key_prefix)
+        except Exception as exc:  # noqa: BLE001 - cleanup must not mask the test's outcome
+            log.warning("could not clean the broker keys %s*: %s", self.celery.key_prefix, exc)
 
     def _remember_tree(self) -> None:
         """Note every live descendant of our processes (pid + create time, to survive pid reuse)."""
