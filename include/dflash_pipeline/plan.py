@@ -89,24 +89,41 @@ class PlanStats:
 
 
 class _Deduper:
-    """Drops repeated prompts, rejects one id used for different content."""
+    """Drops repeated prompts, rejects one id used for different content.
 
-    def __init__(self) -> None:
-        self.seen_content: set[bytes] = set()
-        self.id_content: dict[str, bytes] = {}
+    Backed by a temporary SQLite file with a small page cache, so memory stays flat however many
+    prompts the file has (in memory this was ~190 bytes per prompt: 313 MB at 902k prompts).
+    """
+
+    def __init__(self, cache_mb: int = 16) -> None:
+        import sqlite3
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="dflash-plan-")
+        self._db = sqlite3.connect(f"{self._dir.name}/dedupe.sqlite", isolation_level=None)
+        self._db.executescript(
+            f"PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-{cache_mb * 1000};"
+            "CREATE TABLE ids(id TEXT PRIMARY KEY, h BLOB NOT NULL) WITHOUT ROWID;"
+            "CREATE TABLE contents(h BLOB PRIMARY KEY) WITHOUT ROWID;"
+            "BEGIN;"
+        )
 
     def check(self, p: Prompt) -> str | None:
         """None = keep; 'duplicate' = drop silently (counted); anything else = reject reason."""
-        prev = self.id_content.get(p.id)
-        if prev is not None:
-            if prev == p.content_hash:
+        row = self._db.execute("SELECT h FROM ids WHERE id = ?", (p.id,)).fetchone()
+        if row is not None:
+            if row[0] == p.content_hash:
                 return "duplicate"
             return f"id {p.id!r} was already used by an earlier row with different content"
-        if p.content_hash in self.seen_content:
+        if self._db.execute("SELECT 1 FROM contents WHERE h = ?", (p.content_hash,)).fetchone():
             return "duplicate"
-        self.id_content[p.id] = p.content_hash
-        self.seen_content.add(p.content_hash)
+        self._db.execute("INSERT INTO ids VALUES (?, ?)", (p.id, p.content_hash))
+        self._db.execute("INSERT INTO contents VALUES (?)", (p.content_hash,))
         return None
+
+    def close(self) -> None:
+        self._db.close()
+        self._dir.cleanup()
 
 
 def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[str, Any]:
@@ -281,11 +298,14 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             raise PlanError(f"{cfg.prompts_uri}: {exc}") from exc
 
     sizes: list[int] = []
-    for index, chunk in enumerate(chunk_stream(accepted_prompts(), cfg.save_every, n_servers)):
-        data = encode_inputs([{"id": p.id, "messages": p.messages} for p in chunk])
-        key = layout.input_key(plan_id, index)
-        with_retries(lambda: out_store.put(key, data), what=f"write {key}")
-        sizes.append(len(chunk))
+    try:
+        for index, chunk in enumerate(chunk_stream(accepted_prompts(), cfg.save_every, n_servers)):
+            data = encode_inputs([{"id": p.id, "messages": p.messages} for p in chunk])
+            key = layout.input_key(plan_id, index)
+            with_retries(lambda: out_store.put(key, data), what=f"write {key}")
+            sizes.append(len(chunk))
+    finally:
+        dedupe.close()
 
     if rejects or stats.rejects:
         blob = "\n".join(json.dumps(r.to_dict(), ensure_ascii=False) for r in rejects).encode() + b"\n"
