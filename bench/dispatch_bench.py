@@ -237,7 +237,7 @@ class Monitor(threading.Thread):
 # ------------------------------------------------------------------------------------------------
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from dflash_pipeline.config import RunConfig
-    from dflash_pipeline.generate import Worker, WorkerSettings
+    from dflash_pipeline.generate import Worker, settings_for
     from dflash_pipeline.layout import DatasetLayout
     from dflash_pipeline.sglang import ServerSpec
     from dflash_pipeline.store import Store
@@ -251,23 +251,10 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     for map_index, info in enumerate(spec["servers"]):
         url = cfg.servers[map_index]
         # As tasks.generate builds them (one mapped task per server), plus the bench's overrides.
-        values: dict[str, Any] = dict(
-            run_id=spec["run_id"],
-            worker=f"w{map_index:04d}",
-            server=ServerSpec(name=url, base_url=url),
-            model=info["model"],
-            sampling=cfg.sampling,
-            concurrency=int(info["concurrency"]),
-            request_timeout_s=cfg.request_timeout_s,
-            max_attempts=cfg.max_attempts,
-            server_lost_after_s=cfg.server_lost_after_s,
-            lease_s=cfg.claim_lease_s,
-            try_number=1,
-            retry_failed_rows=cfg.retry_failed_rows,
-            adaptive_headroom=cfg.concurrency_per_server is None,
+        settings = settings_for(
+            cfg, run_id=spec["run_id"], map_index=map_index, server=ServerSpec(name=url, base_url=url),
+            server_info=info, **spec.get("settings", {}),
         )
-        values.update(spec.get("settings", {}))
-        settings = WorkerSettings(**values)
         workers.append(Worker(Store(client, layout.bucket), layout, manifest, settings))
     outcomes: list[Any] = [None] * len(workers)
 

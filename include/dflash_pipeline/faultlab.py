@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.generate import ServerLost, Worker, WorkerSettings
+from dflash_pipeline.generate import ServerLost, Worker, settings_for
 from dflash_pipeline.layout import DatasetLayout
 from dflash_pipeline.plan import run_plan
 from dflash_pipeline.preflight import run_preflight
@@ -166,26 +166,10 @@ def run_generation(
     out: list[BaseException | dict[str, Any]] = [None] * len(specs)  # type: ignore[list-item]
 
     def work(i: int) -> None:
-        base = dict(
-            run_id=run_id,
-            worker=f"w{i:04d}",
-            server=specs[i],
-            model=servers[i]["model"],
-            sampling=cfg.sampling,
-            concurrency=int(servers[i]["concurrency"]),
-            request_timeout_s=cfg.request_timeout_s,
-            max_attempts=cfg.max_attempts,
-            server_lost_after_s=cfg.server_lost_after_s,
-            lease_s=cfg.claim_lease_s,
-            backoff_base_s=0.2,
-            backoff_cap_s=2.0,
-            progress_every_s=5.0,
-            retry_failed_rows=cfg.retry_failed_rows,
-            adaptive_headroom=cfg.concurrency_per_server is None,
-        )
-        base.update(settings_overrides or {})
+        overrides = {"backoff_base_s": 0.2, "backoff_cap_s": 2.0, "progress_every_s": 5.0, **(settings_overrides or {})}
+        settings = settings_for(cfg, run_id=run_id, map_index=i, server=specs[i], server_info=servers[i], **overrides)
         try:
-            out[i] = Worker(Store(client, layout.bucket), layout, manifest, WorkerSettings(**base)).run()
+            out[i] = Worker(Store(client, layout.bucket), layout, manifest, settings).run()
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             out[i] = exc
 

@@ -90,6 +90,37 @@ class WorkerSettings:
         return f"{self.run_id}#{self.worker}"
 
 
+def settings_for(
+    cfg: Any,
+    *,
+    run_id: str,
+    map_index: int,
+    server: ServerSpec,
+    server_info: dict[str, Any],
+    try_number: int = 1,
+    **overrides: Any,
+) -> WorkerSettings:
+    """WorkerSettings of the generate task for one server, from the run's config (`RunConfig`) and
+    preflight's per-server dict: the one place the DAG, the benchmarks and the fault lab build them."""
+    values: dict[str, Any] = dict(
+        run_id=run_id,
+        worker=f"w{map_index:04d}",
+        server=server,
+        model=server_info["model"],
+        sampling=cfg.sampling,
+        concurrency=int(server_info["concurrency"]),
+        request_timeout_s=cfg.request_timeout_s,
+        max_attempts=cfg.max_attempts,
+        server_lost_after_s=cfg.server_lost_after_s,
+        lease_s=cfg.claim_lease_s,
+        try_number=try_number,
+        retry_failed_rows=cfg.retry_failed_rows,
+        adaptive_headroom=cfg.concurrency_per_server is None,
+    )
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
 @dataclass
 class OpenChunk:
     index: int

@@ -111,7 +111,7 @@ def generate(
     """Drive one server until the dataset is complete; return a small summary for XCom."""
     import json
 
-    from dflash_pipeline.generate import Worker, WorkerSettings
+    from dflash_pipeline.generate import Worker, settings_for
     from dflash_pipeline.sglang import check_health, new_session
     from dflash_pipeline.store import Store
 
@@ -124,20 +124,8 @@ def generate(
         if got is None:
             raise ConfigError(f"{layout.uri}/manifest.json is missing; plan did not run")
         manifest = json.loads(got[0])
-        settings = WorkerSettings(
-            run_id=run_id,
-            worker=f"w{map_index:04d}",
-            server=spec,
-            model=server["model"],
-            sampling=cfg.sampling,
-            concurrency=int(server["concurrency"]),
-            request_timeout_s=cfg.request_timeout_s,
-            max_attempts=cfg.max_attempts,
-            server_lost_after_s=cfg.server_lost_after_s,
-            lease_s=cfg.claim_lease_s,
-            try_number=try_number,
-            retry_failed_rows=cfg.retry_failed_rows,
-            adaptive_headroom=cfg.concurrency_per_server is None,
+        settings = settings_for(
+            cfg, run_id=run_id, map_index=map_index, server=spec, server_info=server, try_number=try_number
         )
         if on_progress is None:
             from dflash_pipeline.progress import ProgressWriter
