@@ -1,0 +1,43 @@
+"""Bad input that is not fatal: tolerated rejects, and prompts the server refuses become error rows."""
+
+from __future__ import annotations
+
+import json
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.faultlab import run_generation
+from dflash_pipeline.plan import run_plan
+from dflash_pipeline.validate import Thresholds, run_validation
+
+
+def test_max_rejects_lets_plan_continue_and_records_the_rejects(s3_client, bucket) -> None:
+    lines = [json.dumps({"prompt": f"q{i}"}) for i in range(8)]
+    lines.insert(2, '{"messages": "not a list"}')
+    lines.insert(5, "{broken")
+    s3_client.put_object(Bucket=bucket, Key="p.jsonl", Body="\n".join(lines).encode())
+    cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/p.jsonl", "output_uri": f"s3://{bucket}/ds",
+                                 "servers": ["http://127.0.0.1:9"], "max_rejects": 2})
+    summary = run_plan(s3_client, cfg, "r1")
+    assert summary["prompts"] == 8 and summary["rejects"] == 2
+    rejects = [json.loads(x) for x in s3_client.get_object(Bucket=bucket, Key="ds/rejects/rejects.jsonl")["Body"].read().splitlines()]
+    assert [r["line"] for r in rejects] == [3, 6]
+    assert "non-empty list" in rejects[0]["reason"] and "malformed JSON" in rejects[1]["reason"]
+
+
+def test_prompt_longer_than_the_context_is_an_error_row_never_retried(s3_client, bucket, sim_fleet) -> None:
+    fleet = sim_fleet(1, token_time_s=0.0005, length_scale=0.05, context_length=400)
+    rows = [{"id": f"ok{i}", "prompt": f"short question {i}"} for i in range(20)]
+    rows.append({"id": "huge", "prompt": " ".join(["word"] * 500)})
+    s3_client.put_object(Bucket=bucket, Key="p.jsonl", Body="\n".join(json.dumps(r) for r in rows).encode())
+    cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/p.jsonl", "output_uri": f"s3://{bucket}/ctx",
+                                 "servers": fleet.urls, "max_tokens": 64, "save_every": 10})
+    outcomes = run_generation(s3_client, cfg, fleet.urls, "run1")
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    first = fleet.servers[0].stats()["generation_requests"]
+    assert first == len(rows), "the context-length 400 was not retried"
+    report = run_validation(s3_client, cfg.output_uri, thresholds=Thresholds(max_error_rate=0.1, max_truncation_rate=1.0))
+    assert report["errors"] == 1 and report["errors_by_class"] == {"ContextLengthExceeded": 1}
+    assert report["completions"] == 20 and report["missing"] == 0
+    # A later run (default retry_failed_rows=transient) does not retry a permanent error.
+    run_generation(s3_client, cfg, fleet.urls, "run2")
+    assert fleet.servers[0].stats()["generation_requests"] == first
