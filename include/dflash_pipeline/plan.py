@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.config import RunConfig
 from dflash_pipeline.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
 from dflash_pipeline.records import encode_inputs

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from dflash_pipeline.devstack import AirflowStack, StackError
+from dflash_pipeline.devstack import AirflowStack
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,6 @@ not timings.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import boto3
