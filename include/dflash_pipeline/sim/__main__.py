@@ -120,8 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.urls_file:
             _write_urls(args.urls_file, fleet.urls)
-        for url in fleet.urls:
-            print(url, flush=True)
+        # The CLI's output proper: one URL per line on stdout (logs go to stderr).
+        sys.stdout.write("".join(f"{url}\n" for url in fleet.urls))
+        sys.stdout.flush()
         stop.wait()
     finally:
         fleet.stop()
