@@ -3,7 +3,7 @@
     .venv/bin/python bench/dispatch_bench.py            # defaults: 8000 prompts, 4 servers x 16 slots
 
 What runs where (so the client's CPU is measured alone):
-- S3 is a real `moto_server` subprocess (one for the whole benchmark; a fresh output prefix per run).
+- S3 is a real moto server subprocess (`python -m dflash_pipeline.s3server`: atomic conditional writes) (one for the whole benchmark; a fresh output prefix per run).
 - The fleet is `python -m dflash_pipeline.sim` in its own subprocess, fresh for every client and scenario.
 - Each client runs in a child process of this script (`--child ours|baseline`), which reports its own
   CPU time (`time.process_time`) and peak RSS (VmHWM of that child only).
@@ -121,8 +121,8 @@ def _prompt_rows(n: int) -> list[dict[str, Any]]:
 class Moto:
     def __init__(self) -> None:
         self.port = _free_port()
-        exe = REPO / ".venv" / "bin" / "moto_server"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
+        # moto with S3's atomic conditional writes (dflash_pipeline.s3server explains why).
+        cmd = [sys.executable, "-m", "dflash_pipeline.s3server"]
         self.proc = subprocess.Popen(cmd + ["-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -152,7 +152,8 @@ class Fleet:
         cmd = [
             sys.executable, "-m", "dflash_pipeline.sim", "--count", str(args.servers), "--urls-file", str(urls_file),
             "--set", f"max_running_requests={args.slots}", "--set", f"token_time_s={args.token_time_s}",
-            "--set", f"length_scale={args.length_scale}", "--set", "track_ids=false",
+            "--set", f"length_scale={args.length_scale}", "--set", f"mean_tokens={args.mean_tokens}",
+            "--set", "track_ids=false",
         ]
         for s in server_sets:
             cmd += ["--server-set", s]
@@ -193,6 +194,7 @@ class Monitor(threading.Thread):
         self.every_s = every_s
         self.stop_ev = threading.Event()
         self.samples: list[tuple[float, list[int], int]] = []  # (t, running per server, generation requests)
+        self.waiting: list[list[int]] = []  # queued at each server, per sample
         self.killed_stats: dict[str, Any] | None = None
         self.crash_t: float | None = None
         self.killed_at_completed: int | None = None
@@ -204,23 +206,27 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         while not self.stop_ev.wait(self.every_s):
             t = time.time()
-            running, gen, completed = [], 0, 0
+            running, waiting, gen, completed = [], [], 0, 0
             for i in range(len(self.urls)):
                 if self.crash_t is not None and i == 0:
                     running.append(0)
+                    waiting.append(0)
                     continue
                 try:
                     st = self.stats(i)
                 except Exception:  # noqa: BLE001 - a server going away between polls
                     running.append(0)
+                    waiting.append(0)
                     continue
                 running.append(int(st["running"]))
+                waiting.append(int(st["waiting"]))
                 gen += int(st["generation_requests"])
                 completed += int(st["completed"])
             if self.killed_stats is not None:
                 gen += int(self.killed_stats["generation_requests"])
                 completed += int(self.killed_stats["completed"])
             self.samples.append((t, running, gen))
+            self.waiting.append(waiting)
             if completed and self._first_seen is None:
                 self._first_seen = t
             if self.kill and self.crash_t is None and self._first_seen is not None and (
@@ -236,6 +242,7 @@ class Monitor(threading.Thread):
 # child processes: the clients
 # ------------------------------------------------------------------------------------------------
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    """One mapped generate task: one Worker for server `map_index`, alone in its process, as in the DAG."""
     from dflash_pipeline.config import RunConfig
     from dflash_pipeline.generate import Worker, settings_for
     from dflash_pipeline.layout import DatasetLayout
@@ -247,38 +254,28 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     layout = DatasetLayout.from_uri(cfg.output_uri)
     manifest = json.loads(Store(client, layout.bucket).get(layout.manifest_key)[0])
     rss_before = _maxrss_mb()
-    workers: list[Worker] = []
-    for map_index, info in enumerate(spec["servers"]):
-        url = cfg.servers[map_index]
-        # As tasks.generate builds them (one mapped task per server), plus the bench's overrides.
-        settings = settings_for(
-            cfg, run_id=spec["run_id"], map_index=map_index, server=ServerSpec(name=url, base_url=url),
-            server_info=info, **spec.get("settings", {}),
-        )
-        workers.append(Worker(Store(client, layout.bucket), layout, manifest, settings))
-    outcomes: list[Any] = [None] * len(workers)
-
-    def go(i: int) -> None:
-        try:
-            outcomes[i] = workers[i].run()
-        except BaseException as exc:  # noqa: BLE001 - reported
-            outcomes[i] = {"raised": type(exc).__name__, "message": str(exc)[:300]}
-
+    map_index = spec["map_index"]
+    url = cfg.servers[map_index]
+    # As tasks.generate builds them (one mapped task per server), plus the bench's overrides.
+    settings = settings_for(
+        cfg, run_id=spec["run_id"], map_index=map_index, server=ServerSpec(name=url, base_url=url),
+        server_info=spec["servers"][map_index], **spec.get("settings", {}),
+    )
+    worker = Worker(Store(client, layout.bucket), layout, manifest, settings)
+    # Start together: the bench measures dispatch, not how long a process takes to import and start.
+    Path(spec["ready_file"]).touch()
+    while not Path(spec["go_file"]).exists():
+        time.sleep(0.005)
     cpu0, wall0 = time.process_time(), time.monotonic()
-    threads = [threading.Thread(target=go, args=(i,), name=f"worker-{i}") for i in range(len(workers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    cpu = time.process_time() - cpu0
+    try:
+        worker.run()
+        outcome: Any = "ok"
+    except BaseException as exc:  # noqa: BLE001 - reported (a lost server's task raises ServerLost)
+        outcome = {"raised": type(exc).__name__, "message": str(exc)[:300]}
     return {
-        "cpu_s": cpu,
+        "cpu_s": time.process_time() - cpu0,
         "client_wall_s": time.monotonic() - wall0,
-        "completions": sum(w.stats.completions for w in workers),
-        "requests_sent": sum(w.stats.requests_sent for w in workers),
-        "workers": [{"worker": w.settings.worker, "outcome": o if isinstance(o, dict) and "raised" in o else "ok",
-                     **w.stats.to_dict()}
-                    for o, w in zip(outcomes, workers)],
+        "worker": {"worker": settings.worker, "outcome": outcome, **worker.stats.to_dict()},
         "maxrss_mb": _maxrss_mb(),
         "maxrss_before_run_mb": rss_before,
     }
@@ -364,17 +361,53 @@ def child_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_child(kind: str, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+def _start_child(kind: str, spec: dict[str, Any], workdir: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
     spec_path = workdir / f"{name}.spec.json"
     out_path = workdir / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     with open(workdir / f"{name}.log", "wb") as log:
-        rc = subprocess.call([sys.executable, str(Path(__file__).resolve()), "--child", kind,
-                              "--spec", str(spec_path), "--result", str(out_path)],
-                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", kind,
+                                 "--spec", str(spec_path), "--result", str(out_path)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return proc, out_path
+
+
+def _child_result(proc: subprocess.Popen[bytes], out_path: Path, kind: str, workdir: Path, name: str) -> dict[str, Any]:
+    rc = proc.wait()
     if rc != 0 or not out_path.exists():
         raise RuntimeError(f"{kind} client failed (rc={rc}); see {workdir / (name + '.log')}")
     return json.loads(out_path.read_text())
+
+
+def run_child(kind: str, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    proc, out_path = _start_child(kind, spec, workdir, name)
+    return _child_result(proc, out_path, kind, workdir, name)
+
+
+def run_ours(spec: dict[str, Any], n_servers: int, workdir: Path, name: str) -> dict[str, Any]:
+    """All mapped generate tasks at once, one process each (as Airflow runs them); figures summed."""
+    go = workdir / f"{name}.go"
+    ready = [workdir / f"{name}-w{i}.ready" for i in range(n_servers)]
+    started = [(_start_child("ours", {**spec, "map_index": i, "ready_file": str(ready[i]), "go_file": str(go)},
+                             workdir, f"{name}-w{i}"), i) for i in range(n_servers)]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready):
+        if time.monotonic() > deadline or any(proc.poll() is not None for (proc, _), _ in started):
+            break  # _child_result below reports the failure
+        time.sleep(0.01)
+    go.touch()
+    parts = [_child_result(proc, out, "ours", workdir, f"{name}-w{i}") for (proc, out), i in started]
+    workers = [p["worker"] for p in parts]
+    return {
+        "cpu_s": sum(p["cpu_s"] for p in parts),
+        "client_wall_s": max(p["client_wall_s"] for p in parts),
+        "completions": sum(w["completions"] for w in workers),
+        "requests_sent": sum(w["requests_sent"] for w in workers),
+        "workers": workers,
+        "maxrss_mb": max(p["maxrss_mb"] for p in parts),
+        "maxrss_before_run_mb": max(p["maxrss_before_run_mb"] for p in parts),
+        "processes": n_servers,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,7 +454,12 @@ def measure(stats: list[dict[str, Any]], useful_tokens: int, killed: int | None,
     }
 
 
-def prompt_lengths(n: int, length_scale: float) -> list[int]:
+def scaled_max_tokens(args: argparse.Namespace) -> int:
+    """The job's `max_tokens` in the sim's scaled tokens: the cap keeps its ratio to the mean length."""
+    return max(1, round(args.max_tokens * args.length_scale))
+
+
+def prompt_lengths(n: int, args: argparse.Namespace) -> list[int]:
     """The completion length the sim will produce for each prompt, in plan order (for the bound)."""
     from dflash_pipeline.prompts import normalize_row
     from dflash_pipeline.sim.lengths import plan_lengths
@@ -429,7 +467,8 @@ def prompt_lengths(n: int, length_scale: float) -> list[int]:
     out = []
     for i, row in enumerate(_prompt_rows(n)):
         p = normalize_row(row, i + 1)
-        out.append(plan_lengths(p.messages, length_scale=length_scale).total_tokens)
+        want = plan_lengths(p.messages, mean_tokens=args.mean_tokens, length_scale=args.length_scale).total_tokens
+        out.append(min(want, scaled_max_tokens(args)))
     return out
 
 
@@ -489,13 +528,13 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     prefix = f"out/{name}-{int(time.time())}"
     s3 = _s3(moto.endpoint)
     try:
-        mean_tokens = 1800 * args.length_scale
+        mean_tokens = sum(lengths) / max(1, len(lengths))
         expected_wall = args.prompts * mean_tokens * args.token_time_s / (args.servers * args.slots)
         monitor = Monitor(fleet.urls, args.prompts, kill, expected_wall)
         if client_kind == "ours":
             params = {
                 "prompts_uri": f"s3://{BUCKET}/{PROMPTS_KEY}", "output_uri": f"s3://{BUCKET}/{prefix}",
-                "servers": fleet.urls, "save_every": args.save_every, "max_tokens": args.max_tokens,
+                "servers": fleet.urls, "save_every": args.save_every, "max_tokens": scaled_max_tokens(args),
                 "concurrency_per_server": args.concurrency_per_server,
             }
             cfg = RunConfig.from_params(params)
@@ -506,7 +545,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
                     "settings": KILLED_SETTINGS if kill else {}}
             monitor.start()
             cpu_sim0, cpu_moto0, t_run0 = proc_cpu_s(fleet.proc.pid), proc_cpu_s(moto.proc.pid), time.monotonic()
-            res = run_child("ours", spec, workdir, name)
+            res = run_ours(spec, len(fleet.urls), workdir, name)
             run_s = time.monotonic() - t_run0
             cpu_sim, cpu_moto = proc_cpu_s(fleet.proc.pid) - cpu_sim0, proc_cpu_s(moto.proc.pid) - cpu_moto0
             monitor.stop_ev.set()
@@ -524,7 +563,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             res["duplicates"] = report["duplicates"]
             useful = int(report["output_tokens"])
         else:
-            spec = {"endpoint": moto.endpoint, "urls": fleet.urls, "prefix": prefix, "max_tokens": args.max_tokens}
+            spec = {"endpoint": moto.endpoint, "urls": fleet.urls, "prefix": prefix, "max_tokens": scaled_max_tokens(args)}
             monitor.start()
             cpu_sim0, cpu_moto0, t_run0 = proc_cpu_s(fleet.proc.pid), proc_cpu_s(moto.proc.pid), time.monotonic()
             res = run_child("baseline", spec, workdir, name)
@@ -544,6 +583,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             raise RuntimeError("the killed scenario finished before server 0 was crashed; use more prompts")
         res["measure"] = m = measure(stats, useful, 0 if kill else None, monitor.crash_t, monitor.samples, args.prompts)
         m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, 0 if kill else None, m["crash_after_s"])
+        res["timeline"] = [(round(t - m["t0"], 2), r, w) for (t, r, _), w in zip(monitor.samples, monitor.waiting)]
         res["scenario"], res["client"], res["expected_rows"] = scenario, client_kind, args.prompts
         return res
     finally:
@@ -597,13 +637,18 @@ def details(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=8000)
+    p.add_argument("--prompts", type=int, default=24000)
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=16, help="max_running_requests of each sim server")
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=500, help="the DAG param (500 as in the job)")
     p.add_argument("--length-scale", type=float, default=0.05)
-    p.add_argument("--token-time-s", type=float, default=0.002)
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--token-time-s", type=float, default=0.001)
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="the job's max_tokens in real tokens; sent scaled by --length-scale, so a completion is "
+                        "at most this / the mean as long as the mean, as in the real run")
+    p.add_argument("--mean-tokens", type=int, default=2350,
+                   help="the sim's mean wanted length before the cap; 2350 capped at 4096 gives the job's ~1,820 "
+                        "mean output tokens per completion (about 14%% end at the cap)")
     p.add_argument("--concurrency-per-server", type=int, default=None,
                    help="the DAG param for our client; default: derived from the server (slots + max(2, slots/4))")
     p.add_argument("--scenarios", default="uniform,slow,killed")
@@ -616,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.child:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s %(message)s")
+        if os.environ.get("DISPATCH_BENCH_DEBUG"):
+            logging.getLogger("dflash_pipeline.generate").setLevel(logging.DEBUG)
         spec = json.loads(Path(args.spec).read_text())
         res = child_ours(spec) if args.child == "ours" else child_baseline(spec)
         Path(args.result).write_text(json.dumps(res))
@@ -631,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     moto = Moto()
     results: list[dict[str, Any]] = []
-    lengths = prompt_lengths(args.prompts, args.length_scale)
+    lengths = prompt_lengths(args.prompts, args)
     try:
         s3 = _s3(moto.endpoint)
         s3.create_bucket(Bucket=BUCKET)

@@ -327,7 +327,9 @@ def aws_env(endpoint_url: str, region: str = DEFAULT_REGION) -> dict[str, str]:
 
 
 class MotoServer:
-    """``moto_server -H 127.0.0.1 -p PORT`` as a subprocess.
+    """moto's S3 server (``python -m dflash_pipeline.s3server -H 127.0.0.1 -p PORT``) as a subprocess.
+
+    The launcher makes conditional writes atomic, as they are on S3 (see ``s3server``).
 
     Usage::
 
@@ -354,7 +356,7 @@ class MotoServer:
         if self._proc is not None:
             return self
         started = time.monotonic()
-        argv = [venv_bin("moto_server"), "-H", self.host, "-p", str(self.port)]
+        argv = [sys.executable, "-m", "dflash_pipeline.s3server", "-H", self.host, "-p", str(self.port)]
         self._proc = _spawn(argv, env=None, log_path=self.log_path)
         deadline = started + timeout_s
         while True:

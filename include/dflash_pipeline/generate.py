@@ -30,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,16 @@ class WorkerSettings:
     # top of `concurrency`, so a fast server's freed slots never wait for the client's round trip.
     adaptive_headroom: bool = False
     headroom_s: float = 0.25
+    # Claim the next chunk while at least this many seconds of work (at the current completion
+    # rate) are still ready, or 3x the measured claim latency if that is longer: a claim is
+    # several S3 round trips, and a slow S3 must not leave the server's slots empty.
+    claim_ahead_s: float = 0.5
+    map_index: int = 0
+    n_workers: int = 1
+    # A claim may use a listing of parts and claims this recent (see Worker._try_claim).
+    scan_reuse_s: float = 1.0
+    # Retry markers of earlier runs only change when a run ends; list them this often, not per claim.
+    marker_scan_every_s: float = 30.0
 
     @property
     def owner(self) -> str:
@@ -105,6 +116,8 @@ def settings_for(
     values: dict[str, Any] = dict(
         run_id=run_id,
         worker=f"w{map_index:04d}",
+        map_index=map_index,
+        n_workers=len(cfg.servers),
         server=server,
         model=server_info["model"],
         sampling=cfg.sampling,
@@ -257,6 +270,15 @@ class Worker:
         self._claimer_stop = threading.Event()
         self._claim_error: BaseException | None = None
         self._done_times: deque[float] = deque()
+        self._claim_latency_s = 0.0
+        self._last_scan: tuple[float, tuple[set[int], dict[int, ObjectInfo], set[int]]] | None = None
+        # The plan's last stretch has chunks smaller than the rest (guided self-scheduling). Once
+        # we hold one, we claim only as far ahead as a claim takes: work held by one worker at
+        # the end cannot move to an idle server.
+        self._full_chunk = max(self.sizes, default=0)
+        self._in_tail = False
+        self._repair_cache: tuple[float, set[int]] | None = None
+        self._io = ThreadPoolExecutor(3, thread_name_prefix="s3io")
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
@@ -319,8 +341,12 @@ class Worker:
         }
 
     # -- claims --------------------------------------------------------------------------------
-    def _scan(self) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
-        """(committed chunks, live or stale claims of unfinished chunks, chunks to repair)."""
+    def _scan(self, fresh_markers: bool = False) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
+        """(committed chunks, live or stale claims of unfinished chunks, chunks to repair).
+
+        The two listings run at once (a claim waits for the slower, not for both in a row).
+        """
+        claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
         with self._scan_lock:
             done = set(self._done_cache)
             low = self._lowest_unfinished
@@ -334,17 +360,26 @@ class Worker:
             self._lowest_unfinished = low
             self._done_cache = done
         claims: dict[int, ObjectInfo] = {}
-        for obj in self.store.list(self.layout.claims_prefix):
+        for obj in claims_f.result():
             c = chunk_of_key(obj.key)
             if c is not None:
                 claims[c] = obj
-        repair: set[int] = set()
-        if self.settings.retry_failed_rows != "none":
+        return done, claims, self._repairs(done, fresh_markers)
+
+    def _repairs(self, done: set[int], fresh: bool) -> set[int]:
+        """Committed chunks whose retry marker (left by an earlier run) asks for a repair."""
+        if self.settings.retry_failed_rows == "none":
+            return set()
+        now = time.monotonic()
+        cached = self._repair_cache
+        if fresh or cached is None or now - cached[0] >= self.settings.marker_scan_every_s:
+            wanted: set[int] = set()
             for obj in self.store.list(self.layout.retry_prefix):
                 c = chunk_of_key(obj.key)
-                if c is not None and c in done and self._marker_wants_repair(obj):
-                    repair.add(c)
-        return done, claims, repair
+                if c is not None and self._marker_wants_repair(obj):
+                    wanted.add(c)
+            cached = self._repair_cache = (now, wanted)
+        return {c for c in cached[1] if c in done}
 
     def _marker_wants_repair(self, obj: ObjectInfo) -> bool:
         """A marker left by an earlier run (never our own: one repair per chunk per run)."""
@@ -394,11 +429,35 @@ class Worker:
         return own
 
     def _try_claim(self) -> OpenChunk | None:
-        done, claims, repair = self._scan()
+        """Claim one chunk: from the last listing if it is recent, else (or if that finds none) a new one.
+
+        A listing up to `scan_reuse_s` old is safe to claim from: every claim is a conditional write
+        and a chunk is checked for a committed part after it is claimed, so a stale entry costs one
+        refused request, never a duplicate. It halves the round trips of a claim.
+        """
+        cached = self._last_scan
+        if cached is not None and time.monotonic() - cached[0] < self.settings.scan_reuse_s:
+            chunk = self._claim_from(*cached[1])
+            if chunk is not None:
+                return chunk
+        scan = self._scan()
+        self._last_scan = (time.monotonic(), scan)
+        return self._claim_from(*scan)
+
+    def _claim_from(self, done: set[int], claims: dict[int, ObjectInfo], repair: set[int]) -> OpenChunk | None:
         if self._own_stale is None:
-            self._own_stale = self._find_own_stale({c: o for c, o in claims.items() if c not in done or c in repair})
+            # Only a later try of this task can find claims of its own (the owner names run and worker).
+            self._own_stale = (
+                self._find_own_stale({c: o for c, o in claims.items() if c not in done or c in repair})
+                if self.settings.try_number > 1 else set()
+            )
         now = self.store.server_time()
-        unfinished = (c for c in range(self.n_chunks) if c not in done)
+        unfinished = [c for c in range(self.n_chunks) if c not in done and c not in self._done_cache]
+        # Workers that start together would all try the same first chunk and queue up behind each
+        # other's refusals: each starts at its own place among the first few, in plan order otherwise.
+        n = min(len(unfinished), max(1, self.settings.n_workers))
+        k = self.settings.map_index % n if n else 0
+        unfinished = unfinished[k:n] + unfinished[:k] + unfinished[n:]
         for c in [*unfinished, *sorted(repair)]:
             if c in self.open:
                 continue
@@ -430,7 +489,9 @@ class Worker:
         if repairing:
             got = self.store.get(self.layout.part_key(c))
             marker = self.store.head(self.layout.retry_key(c))
-            if got is None or marker is None:
+            # The marker is re-read: the listing may be up to marker_scan_every_s old, and a chunk
+            # already repaired by this run (its marker now names this run) is not repaired again.
+            if got is None or marker is None or not self._marker_wants_repair(marker):
                 self._release(c)
                 return None
             rows = decode_part(got[0]).to_pylist()
@@ -440,16 +501,19 @@ class Worker:
                 return None
             logger.info("repairing chunk %d: %d failed row(s) from an earlier run", c, len(redo))
             return OpenChunk(c, etag, redo, base_rows=rows, part_etag=got[1])
-        # The chunk may have been committed between our listing and our claim.
-        if self.store.head(self.layout.part_key(c)) is not None:
+        # The chunk may have been committed between our listing and our claim. The three reads
+        # are independent, so they go out at once.
+        part_f = self._io.submit(self.store.head, self.layout.part_key(c))
+        partial_f = self._io.submit(self.store.get, self.layout.partial_key(c))
+        got = self.store.get(self.layout.input_key(self.plan_id, c))
+        if part_f.result() is not None:
             self._done_cache.add(c)
             self._release(c)
             return None
-        got = self.store.get(self.layout.input_key(self.plan_id, c))
         if got is None:
             raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
         chunk = OpenChunk(c, etag, decode_inputs(got[0]))
-        partial = self.store.get(self.layout.partial_key(c))
+        partial = partial_f.result()
         if partial is not None:
             ids = {p["id"] for p in chunk.prompts}
             for row in decode_part(partial[0]).to_pylist():
@@ -467,7 +531,9 @@ class Worker:
 
     def _all_done(self) -> bool:
         """Every chunk committed and nothing left to repair (by this worker's policy)."""
-        done, _, repair = with_retries(self._scan, what="scan", deadline_s=self.settings.store_deadline_s)
+        done, _, repair = with_retries(
+            lambda: self._scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s
+        )
         return not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
 
     # -- committer thread -----------------------------------------------------------------------
@@ -572,16 +638,24 @@ class Worker:
         s = self.settings
         if not s.adaptive_headroom:
             return s.concurrency
+        return s.concurrency + min(s.concurrency, int(-(-self._rate() * s.headroom_s // 1)))
+
+    def _rate(self) -> float:
+        """Completions per second over the last 10 s (0 until the first one)."""
         now = time.monotonic()
         while self._done_times and now - self._done_times[0] > 10.0:
             self._done_times.popleft()
         span = min(10.0, max(1.0, now - self.stats.started_t))
-        rate = len(self._done_times) / span
-        return s.concurrency + min(s.concurrency, int(-(-rate * s.headroom_s // 1)))
+        return len(self._done_times) / span
 
     def _claim_wanted(self) -> bool:
+        """Claim while the prompts ready to send cover less than the time a claim takes (with margin)."""
         ready = len(self.pending) + self._claimed_prompts
-        return ready < 2 * self._limit() and self._committing <= 2 and self._suspect_since is None
+        ahead_s = 3.0 * self._claim_latency_s
+        if not self._in_tail:
+            ahead_s = max(self.settings.claim_ahead_s, ahead_s)
+        want = self._limit() + int(self._rate() * ahead_s)
+        return ready < want and self._committing <= 2 and self._suspect_since is None
 
     def _claimer(self) -> None:
         """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
@@ -591,17 +665,27 @@ class Worker:
                 self._claimer_wake.wait(0.05)
                 self._claimer_wake.clear()
                 continue
+            started = time.monotonic()
             try:
                 chunk = with_retries(self._try_claim, what="claim", deadline_s=s.store_deadline_s)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
                 self._claim_error = exc
                 return
+            took = time.monotonic() - started
+            # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
+            self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
             if chunk is None:
                 self._claimer_idle.set()
                 self._claimer_wake.wait(s.poll_s)
                 self._claimer_wake.clear()
                 continue
             self._claimer_idle.clear()
+            if len(chunk.prompts) < self._full_chunk and chunk.base_rows is None:
+                self._in_tail = True
+            logger.debug(
+                "claimed chunk %d (%d prompts) in %.3fs; %d ready, %d in flight",
+                chunk.index, len(chunk.prompts_to_send()), took, len(self.pending) + self._claimed_prompts, self.in_flight,
+            )
             with self._open_lock:
                 self.open[chunk.index] = chunk
             with self._committing_lock:
@@ -823,6 +907,7 @@ class Worker:
             self._claimer_stop.set()
             self._claimer_wake.set()
             pool.close()
+            self._io.shutdown(wait=False)
         self._commit_q.put(None)
         committer.join(timeout=60)
         if self._commit_error is not None:

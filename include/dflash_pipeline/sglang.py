@@ -11,11 +11,15 @@ Outcomes are sorted into the classes the retry policy acts on:
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
+import select
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 
@@ -190,51 +194,122 @@ def new_session() -> requests.Session:
     return session
 
 
-def new_chat_client() -> Any:
-    """A keep-alive HTTP pool for one request thread, with no retries of its own.
+class ChatClient:
+    """One keep-alive HTTP/1.1 connection for one request thread; no pool and no retries of its own.
 
-    urllib3 directly (requests' own transport) for the hot path: requests re-reads proxy settings
-    from the environment on every call, which costs more CPU than the request itself at high rates.
+    Why not requests or urllib3: at the rates a fleet reaches, the client's CPU per request is what
+    limits a worker, and most of it went into the pool managers' per-call URL parsing, connection
+    lookup and retry bookkeeping. A request thread only ever talks to one server, one request at a
+    time, so a bare `http.client` connection is all it needs. An idle connection the server has
+    closed is detected before reuse (the socket reads as ready) and replaced, as urllib3 does.
     """
-    import urllib3
 
-    return urllib3.PoolManager(num_pools=4, maxsize=2, retries=False, block=False)
+    def __init__(self) -> None:
+        self._conn: http.client.HTTPConnection | None = None
+        self._target: tuple[str, str, int] | None = None
+        self._paths: dict[str, tuple[tuple[str, str, int], str]] = {}
+
+    def _split(self, url: str) -> tuple[tuple[str, str, int], str]:
+        cached = self._paths.get(url)
+        if cached is None:
+            parts = urlsplit(url)
+            scheme = parts.scheme or "http"
+            port = parts.port or (443 if scheme == "https" else 80)
+            path = parts.path or "/"
+            if parts.query:
+                path = f"{path}?{parts.query}"
+            cached = self._paths[url] = ((scheme, parts.hostname or "", port), path)
+        return cached
+
+    def _connection(self, target: tuple[str, str, int], connect_timeout: float) -> http.client.HTTPConnection:
+        conn = self._conn
+        if conn is not None and (self._target != target or conn.sock is None or _dropped(conn.sock)):
+            self.close()
+            conn = None
+        if conn is None:
+            scheme, host, port = target
+            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+            conn = cls(host, port, timeout=connect_timeout)
+            conn.connect()
+            self._conn, self._target = conn, target
+        return conn
+
+    def post(self, url: str, body: bytes, headers: dict[str, str], connect_timeout: float,
+             read_timeout: float) -> tuple[int, bytes]:
+        """POST `body`; (status, response body). Transport errors propagate; the connection is dropped."""
+        target, path = self._split(url)
+        try:
+            conn = self._connection(target, connect_timeout)
+            assert conn.sock is not None
+            conn.sock.settimeout(read_timeout)
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.will_close:
+                self.close()
+            return resp.status, data
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
 
 
-def chat_once(client: Any, server: ServerSpec, body: dict[str, Any], timeout_s: float) -> tuple[Completion, float]:
+def _dropped(sock: socket.socket) -> bool:
+    """An idle keep-alive socket that reads as ready has been closed (or sent junk): do not reuse it."""
+    try:
+        poller = select.poll()  # not select(): file descriptors above 1024 are fine
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
+def new_chat_client() -> ChatClient:
+    """The HTTP client of one request thread (see ChatClient)."""
+    return ChatClient()
+
+
+def chat_once(client: ChatClient, server: ServerSpec, body: dict[str, Any], timeout_s: float) -> tuple[Completion, float]:
     """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure."""
-    import urllib3
-    from urllib3.exceptions import HTTPError, ProtocolError, ReadTimeoutError, TimeoutError as U3Timeout
-
     t0 = time.monotonic()
     try:
-        resp = client.request(
-            "POST",
+        status, data = client.post(
             f"{server.base_url}/v1/chat/completions",
-            body=json.dumps(body).encode(),
-            headers=server.headers(),
-            timeout=urllib3.Timeout(connect=min(10.0, timeout_s), read=timeout_s),
-            retries=False,
+            json.dumps(body).encode(),
+            server.headers(),
+            connect_timeout=min(10.0, timeout_s),
+            read_timeout=timeout_s,
         )
-    except (ProtocolError, urllib3.exceptions.NewConnectionError, urllib3.exceptions.MaxRetryError) as exc:
-        # NewConnectionError subclasses the timeout errors in urllib3 2: test it first.
-        raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
-    except (ReadTimeoutError, U3Timeout) as exc:
+    except TimeoutError as exc:  # socket.timeout is TimeoutError
         raise RequestFailure("Timeout", f"no response within {timeout_s:g}s", kind="transient") from exc
-    except (HTTPError, OSError) as exc:
+    except ConnectionError as exc:  # refused, reset, aborted, broken pipe, RemoteDisconnected
+        raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
+    except (http.client.HTTPException, OSError) as exc:
         raise RequestFailure("TransportError", _short(exc), kind="transient") from exc
     latency = time.monotonic() - t0
-    if resp.status != 200:
-        raise classify_http_error(resp.status, resp.data[:4000].decode("utf-8", "replace"))
+    if status != 200:
+        raise classify_http_error(status, data[:4000].decode("utf-8", "replace"))
     try:
-        data = json.loads(resp.data)
+        parsed = json.loads(data)
     except ValueError as exc:
         raise RequestFailure("BadResponse", "response is not JSON", kind="transient") from exc
-    return parse_chat_response(data), latency
+    return parse_chat_response(parsed), latency
 
 
 def _short(exc: Exception) -> str:
     text = str(exc)
+    if isinstance(exc, ConnectionRefusedError):
+        return "Connection refused"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "RemoteDisconnected"
+    if isinstance(exc, ConnectionResetError):
+        return "Connection reset"
     for marker in ("Connection refused", "Connection reset", "RemoteDisconnected", "Connection aborted", "Connection broken"):
         if marker in text:
             return marker
