@@ -3,7 +3,8 @@
     .venv/bin/python bench/dispatch_bench.py            # defaults: 8000 prompts, 4 servers x 16 slots
 
 What runs where (so the client's CPU is measured alone):
-- S3 is a real moto server subprocess (`python -m dflash_pipeline.s3server`: atomic conditional writes) (one for the whole benchmark; a fresh output prefix per run).
+- S3 is a real moto server subprocess (`python -m dflash_pipeline.s3server`: atomic conditional writes) (one for the whole benchmark;
+  prompts in one bucket, each run's output in a fresh bucket: moto lists a prefix by scanning the whole bucket).
 - The fleet is `python -m dflash_pipeline.sim` in its own subprocess, fresh for every client and scenario.
 - Each client runs in a child process of this script (`--child ours|baseline`), which reports its own
   CPU time (`time.process_time`) and peak RSS (VmHWM of that child only).
@@ -332,7 +333,7 @@ def child_baseline(spec: dict[str, Any]) -> dict[str, Any]:
                 if rows:
                     buf = io.BytesIO()
                     pq.write_table(pa.Table.from_pylist(rows), buf, compression="zstd")
-                    client.put_object(Bucket=BUCKET, Key=f"{spec['prefix']}/server-{i}/batch-{b:05d}.parquet",
+                    client.put_object(Bucket=spec["bucket"], Key=f"{spec['prefix']}/server-{i}/batch-{b:05d}.parquet",
                                       Body=buf.getvalue())
                 with lock:
                     counts["saved"] += len(rows)
@@ -525,15 +526,17 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     kill = scenario == "killed"
     fleet = Fleet(args, server_sets, workdir)
     name = f"{scenario}-{client_kind}"
-    prefix = f"out/{name}-{int(time.time())}"
+    prefix = f"out/{name}"
+    out_bucket = f"{BUCKET}-{scenario}-{client_kind}-{int(time.time())}"
     s3 = _s3(moto.endpoint)
+    s3.create_bucket(Bucket=out_bucket)
     try:
         mean_tokens = sum(lengths) / max(1, len(lengths))
         expected_wall = args.prompts * mean_tokens * args.token_time_s / (args.servers * args.slots)
         monitor = Monitor(fleet.urls, args.prompts, kill, expected_wall)
         if client_kind == "ours":
             params = {
-                "prompts_uri": f"s3://{BUCKET}/{PROMPTS_KEY}", "output_uri": f"s3://{BUCKET}/{prefix}",
+                "prompts_uri": f"s3://{BUCKET}/{PROMPTS_KEY}", "output_uri": f"s3://{out_bucket}/{prefix}",
                 "servers": fleet.urls, "save_every": args.save_every, "max_tokens": scaled_max_tokens(args),
                 "concurrency_per_server": args.concurrency_per_server,
             }
@@ -556,14 +559,15 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
                 from dflash_pipeline.layout import DatasetLayout
 
                 lay = DatasetLayout.from_uri(cfg.output_uri)
-                report = json.loads(s3.get_object(Bucket=BUCKET, Key=lay.report_key)["Body"].read())
+                report = json.loads(s3.get_object(Bucket=out_bucket, Key=lay.report_key)["Body"].read())
             res["validation"] = {k: report[k] for k in ("prompts", "completions", "errors", "missing", "duplicates",
                                                         "output_tokens", "parts_present", "chunks")}
             res["rows_present"] = report["prompts"] - report["missing"]
             res["duplicates"] = report["duplicates"]
             useful = int(report["output_tokens"])
         else:
-            spec = {"endpoint": moto.endpoint, "urls": fleet.urls, "prefix": prefix, "max_tokens": scaled_max_tokens(args)}
+            spec = {"endpoint": moto.endpoint, "urls": fleet.urls, "prefix": prefix, "bucket": out_bucket,
+                    "max_tokens": scaled_max_tokens(args)}
             monitor.start()
             cpu_sim0, cpu_moto0, t_run0 = proc_cpu_s(fleet.proc.pid), proc_cpu_s(moto.proc.pid), time.monotonic()
             res = run_child("baseline", spec, workdir, name)

@@ -253,6 +253,7 @@ class Worker:
         self._commit_q: queue.Queue[OpenChunk | None] = queue.Queue()
         self._commit_error: BaseException | None = None
         self._committing = 0
+        self._committing_rows = 0
         self._committing_lock = threading.Lock()
         self._last_success_t = 0.0
         self._suspect_since: float | None = None
@@ -437,14 +438,18 @@ class Worker:
         """
         cached = self._last_scan
         if cached is not None and time.monotonic() - cached[0] < self.settings.scan_reuse_s:
-            chunk = self._claim_from(*cached[1])
+            chunk = self._claim_from(*cached[1], stale=True)
             if chunk is not None:
                 return chunk
         scan = self._scan()
         self._last_scan = (time.monotonic(), scan)
         return self._claim_from(*scan)
 
-    def _claim_from(self, done: set[int], claims: dict[int, ObjectInfo], repair: set[int]) -> OpenChunk | None:
+    def _claim_from(
+        self, done: set[int], claims: dict[int, ObjectInfo], repair: set[int], stale: bool = False
+    ) -> OpenChunk | None:
+        """Claim the first free chunk of a listing. From a reused listing, the first refusal ends the
+        attempt: others have been claiming since, and walking on would cost a round trip per chunk."""
         if self._own_stale is None:
             # Only a later try of this task can find claims of its own (the owner names run and worker).
             self._own_stale = (
@@ -478,6 +483,9 @@ class Worker:
                         self.stats.chunks_taken_over += 1
                         logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
             except PreconditionFailed:
+                if stale:
+                    self._last_scan = None
+                    return None
                 continue
             chunk = self._open_claimed(c, etag, repairing=c in repair)
             if chunk is not None:
@@ -561,6 +569,7 @@ class Worker:
                 if chunk is not None:
                     with self._committing_lock:
                         self._committing -= 1
+                        self._committing_rows -= len(chunk.prompts)
 
     def _commit(self, chunk: OpenChunk) -> None:
         if chunk.base_rows is not None:
@@ -590,21 +599,25 @@ class Worker:
         else:
             self.stats.chunks_committed += 1
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
-            self._write_marker(chunk.index, rows)
+            self._write_marker(chunk.index, rows, repaired=chunk.base_rows is not None)
             if chunk.todo is not None:
                 with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial")
         self._done_cache.add(chunk.index)
         with_retries(lambda: self._release(chunk.index), what="release claim", deadline_s=60)
 
-    def _write_marker(self, c: int, rows: list[dict[str, Any]]) -> None:
-        """Flag a part with error rows so a later run retries them (validation re-creates lost flags)."""
+    def _write_marker(self, c: int, rows: list[dict[str, Any]], repaired: bool) -> None:
+        """Flag a part with error rows so a later run retries them (validation re-creates lost flags).
+
+        A chunk committed for the first time cannot have a marker yet (markers only flag committed
+        parts), so a clean first commit costs no request; a clean repair clears the old flag.
+        """
         retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
         permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
         key = self.layout.retry_key(c)
         if retryable or permanent:
             body = json.dumps({"run_id": self.settings.run_id, "retryable": retryable, "permanent": permanent})
             with_retries(lambda: self.store.put(key, body.encode(), content_type="application/json"), what="marker")
-        else:
+        elif repaired:
             with_retries(lambda: self.store.delete(key), what="marker")
 
     def _renew_leases(self) -> None:
@@ -655,7 +668,10 @@ class Worker:
         if not self._in_tail:
             ahead_s = max(self.settings.claim_ahead_s, ahead_s)
         want = self._limit() + int(self._rate() * ahead_s)
-        return ready < want and self._committing <= 2 and self._suspect_since is None
+        # Rows waiting to be written are bounded (an S3 outage must not grow memory without end);
+        # counted in rows, not parts, so the small parts at the end do not stop claims.
+        backlog_ok = self._committing_rows <= 2 * self._full_chunk
+        return ready < want and backlog_ok and self._suspect_since is None
 
     def _claimer(self) -> None:
         """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
@@ -675,6 +691,7 @@ class Worker:
             # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
             self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
             if chunk is None:
+                logger.debug("claim found nothing in %.3fs; %d ready", time.monotonic() - started, len(self.pending) + self._claimed_prompts)
                 self._claimer_idle.set()
                 self._claimer_wake.wait(s.poll_s)
                 self._claimer_wake.clear()
@@ -721,6 +738,7 @@ class Worker:
             self.open.pop(chunk.index, None)
         with self._committing_lock:
             self._committing += 1
+            self._committing_rows += len(chunk.prompts)
         self._commit_q.put(chunk)
 
     def _handle(self, out: _Outcome) -> None:
