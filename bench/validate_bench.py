@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/validate_bench.py                 # 902,087 rows, save_every 500, 8 servers
     .venv/bin/python bench/validate_bench.py --rows 20000    # a quick look
+    .venv/bin/python bench/validate_bench.py --recount-only  # only the recount sample (10 parts, ~20 s)
 
 What it does:
 - Waits until the 1-minute load average is <= --max-load (up to 10 min; the machine is shared) and
@@ -16,8 +17,14 @@ What it does:
   zstd compresses slightly better than fully independent text; sizes are printed.
 - Runs `run_validation` (no tokenizer, plots on, default thresholds) in a child process and prints
   wall time, rows/s and the child's peak RSS (ru_maxrss).
-- Runs the tokenizer recount (sim tokenizer, batch encoding) on a sample of parts already in memory
-  in another child and prints tokens/s (output tokens + training-conversation tokens encoded).
+- Runs the tokenizer recount (`Recounter.recount`: each conversation rendered and encoded once) on
+  the first --recount-parts parts, read into memory first, in another child and prints, separately:
+  output tokens/s (reasoning + answer tokens recounted per second of recount time, the figure the
+  target is about) and training tokens/s (whole rendered conversations). `--recount-reference`
+  also times the previous method (`recount_separately`: reasoning, answer and conversation each
+  encoded) in the same child; `--recount-tokenizer DIR` uses another tokenizer than the sim one;
+  `--recount-only` writes just those parts (the same rows as a full run's sample) and skips the
+  validation.
 """
 
 from __future__ import annotations
@@ -134,7 +141,9 @@ def _write_chunk(args: tuple[int, int, int, int, int]) -> tuple[int, int, int, i
     return c, size, len(inp), len(part), text_bytes
 
 
-def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max_tokens: int, workers: int) -> dict[str, Any]:
+def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max_tokens: int, workers: int,
+                  only_chunks: int | None = None) -> dict[str, Any]:
+    """The dataset's manifest and chunks (only the first `only_chunks`, if given: same rows as a full write)."""
     from dflash_pipeline.devstack import s3_client
     from dflash_pipeline.layout import DatasetLayout
     from dflash_pipeline.plan import chunk_sizes
@@ -155,8 +164,8 @@ def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max
     s3_client(endpoint).put_object(Bucket=BUCKET, Key=DatasetLayout(BUCKET, ROOT).manifest_key,
                                    Body=json.dumps(manifest).encode())
     started = time.monotonic()
-    totals = {"chunks": len(sizes), "rows": 0, "input_bytes": 0, "part_bytes": 0, "text_bytes": 0}
-    jobs = [(c, firsts[c], s, max_tokens, n_servers) for c, s in enumerate(sizes)]
+    jobs = [(c, firsts[c], s, max_tokens, n_servers) for c, s in enumerate(sizes)][:only_chunks]
+    totals = {"chunks": len(jobs), "rows": 0, "input_bytes": 0, "part_bytes": 0, "text_bytes": 0}
     with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(endpoint, 7)) as pool:
         for done, (_c, n, ib, pb, tb) in enumerate(pool.imap_unordered(_write_chunk, jobs, chunksize=4), 1):
             totals["rows"] += n
@@ -197,7 +206,7 @@ def child_validate(endpoint: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def child_recount(endpoint: str, parts: int) -> None:
+def child_recount(endpoint: str, parts: int, tokenizer: str | None, reference: bool) -> None:
     import io
 
     import pyarrow.parquet as pq
@@ -214,23 +223,32 @@ def child_recount(endpoint: str, parts: int) -> None:
         body = client.get_object(Bucket=BUCKET, Key=layout.part_key(c))["Body"].read()
         t = pq.read_table(io.BytesIO(body), columns=["messages", "reasoning", "content", "error_class"])
         tables.append(t.filter(t.column("error_class").is_null()))
-    tok_dir = build_sim_tokenizer(Path(tempfile.mkdtemp(prefix="bench-tok-")))
-    rec = load_recounter(str(tok_dir), lambda b, k: None, enable_thinking=True)
+    tok = tokenizer or str(build_sim_tokenizer(Path(tempfile.mkdtemp(prefix="bench-tok-"))))
+    rec = load_recounter(tok, lambda b, k: None, enable_thinking=True)
     cols = [(t.column("messages").to_pylist(), t.column("reasoning").to_pylist(), t.column("content").to_pylist())
             for t in tables]
-    started = time.perf_counter()
-    out_tokens = train_tokens = rows = 0
-    for m, r, c in cols:
-        res = rec.recount(m, r, c)
-        out_tokens += int(res.output.sum())
-        train_tokens += int(res.training.sum())
-        rows += len(c)
-    secs = time.perf_counter() - started
-    print("RESULT " + json.dumps({
-        "rows": rows, "seconds": round(secs, 2), "output_tokens": out_tokens, "training_tokens": train_tokens,
-        "tokens_per_s": round((out_tokens + train_tokens) / secs), "output_tokens_per_s": round(out_tokens / secs),
-        "rows_per_s": round(rows / secs), "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "default"),
-    }), flush=True)
+
+    def timed(method: Any) -> dict[str, Any]:
+        cpu0, started = time.process_time(), time.perf_counter()
+        out_tokens = train_tokens = rows = alone = 0
+        for m, r, c in cols:  # one call per part, as Validator._recount does
+            res = method(m, r, c)
+            out_tokens += int(res.output.sum())
+            train_tokens += int(res.training.sum())
+            rows += len(c)
+            alone += res.rows_encoded_alone
+        secs, cpu = time.perf_counter() - started, time.process_time() - cpu0
+        return {"rows": rows, "seconds": round(secs, 2), "cpu_s": round(cpu, 2), "cores_used": round(cpu / secs, 2),
+                "output_tokens": out_tokens, "training_tokens": train_tokens,
+                "output_tokens_per_s": round(out_tokens / secs), "training_tokens_per_s": round(train_tokens / secs),
+                "rows_per_s": round(rows / secs), "rows_encoded_alone": alone}
+
+    out = {"tokenizer": "sim" if tokenizer is None else tokenizer,
+           "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "default (on)"), "cpus": os.cpu_count(),
+           "single_pass": timed(rec.recount)}
+    if reference:
+        out["separate_reference"] = timed(rec.recount_separately)
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 def _child(args: list[str]) -> dict[str, Any]:
@@ -249,6 +267,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=2, help="processes writing the dataset")
     ap.add_argument("--recount-parts", type=int, default=10, help="parts in the tokenizer recount sample")
+    ap.add_argument("--recount-only", action="store_true",
+                    help="write only the recount sample's parts and skip the validation run")
+    ap.add_argument("--recount-tokenizer", help="tokenizer dir/tokenizer.json for the recount (default: the sim one)")
+    ap.add_argument("--recount-reference", action="store_true",
+                    help="also time the previous method (texts and conversation encoded separately)")
     ap.add_argument("--max-load", type=float, default=1.5)
     ap.add_argument("--child", choices=["validate", "recount"])
     ap.add_argument("--endpoint")
@@ -257,7 +280,7 @@ def main() -> int:
         child_validate(args.endpoint)
         return 0
     if args.child == "recount":
-        child_recount(args.endpoint, args.recount_parts)
+        child_recount(args.endpoint, args.recount_parts, args.recount_tokenizer, args.recount_reference)
         return 0
 
     from dflash_pipeline.devstack import MotoServer
@@ -266,26 +289,36 @@ def main() -> int:
         moto.create_bucket(BUCKET)
         print(f"writing {args.rows:,} rows to {moto.endpoint_url} (save_every={args.save_every}, "
               f"{args.servers} servers, max_tokens={args.max_tokens})", flush=True)
-        totals = write_dataset(moto.endpoint_url, args.rows, args.save_every, args.servers, args.max_tokens, args.workers)
+        totals = write_dataset(moto.endpoint_url, args.rows, args.save_every, args.servers, args.max_tokens, args.workers,
+                               only_chunks=args.recount_parts if args.recount_only else None)
         moto_rss = rss_kb(moto._proc.pid) / 1024 if moto._proc else 0.0  # noqa: SLF001 - our own child
         print(f"dataset: {totals['rows']:,} rows in {totals['chunks']:,} chunks; parts {totals['part_bytes'] / 2**30:.2f} GiB "
               f"(text {totals['text_bytes'] / 2**30:.2f} GiB before compression), inputs "
               f"{totals['input_bytes'] / 2**20:.0f} MiB; written in {totals['write_s']} s; moto RSS {moto_rss:,.0f} MiB",
               flush=True)
 
-        load = wait_for_quiet(args.max_load)
-        print(f"validation (load average {load:.2f}, {Path('/proc/loadavg').read_text().split()[:3]})", flush=True)
-        v = _child(["--child", "validate", "--endpoint", moto.endpoint_url])
-        print(json.dumps(v, indent=1), flush=True)
-        print(f"VALIDATION: {v['rows']:,} rows in {v['wall_s']} s = {v['rows_per_s']:,} rows/s, "
-              f"peak RSS {v['maxrss_mib']} MiB, cpu {v['cpu_s']} s, {v['status'][:60]}", flush=True)
+        if not args.recount_only:
+            load = wait_for_quiet(args.max_load)
+            print(f"validation (load average {load:.2f}, {Path('/proc/loadavg').read_text().split()[:3]})", flush=True)
+            v = _child(["--child", "validate", "--endpoint", moto.endpoint_url])
+            print(json.dumps(v, indent=1), flush=True)
+            print(f"VALIDATION: {v['rows']:,} rows in {v['wall_s']} s = {v['rows_per_s']:,} rows/s, "
+                  f"peak RSS {v['maxrss_mib']} MiB, cpu {v['cpu_s']} s, {v['status'][:60]}", flush=True)
 
         load = wait_for_quiet(args.max_load)
-        print(f"recount sample (load average {load:.2f})", flush=True)
-        rc = _child(["--child", "recount", "--endpoint", moto.endpoint_url, "--recount-parts", str(args.recount_parts)])
+        print(f"recount sample (load average {load:.2f}, {Path('/proc/loadavg').read_text().split()[:3]})", flush=True)
+        extra = ["--recount-tokenizer", args.recount_tokenizer] if args.recount_tokenizer else []
+        extra += ["--recount-reference"] if args.recount_reference else []
+        rc = _child(["--child", "recount", "--endpoint", moto.endpoint_url, "--recount-parts", str(args.recount_parts),
+                     *extra])
         print(json.dumps(rc, indent=1), flush=True)
-        print(f"RECOUNT: {rc['rows']:,} rows, {rc['output_tokens'] + rc['training_tokens']:,} tokens in {rc['seconds']} s "
-              f"= {rc['tokens_per_s']:,} tokens/s ({rc['output_tokens_per_s']:,} output tokens/s)", flush=True)
+        for key, label in (("single_pass", "RECOUNT"), ("separate_reference", "RECOUNT (reference: separate encodings)")):
+            if key in rc:
+                x = rc[key]
+                print(f"{label}: {x['rows']:,} rows in {x['seconds']} s ({x['cores_used']} cores busy): "
+                      f"OUTPUT {x['output_tokens_per_s']:,} tokens/s (reasoning + answer, {x['output_tokens']:,} tokens); "
+                      f"TRAINING {x['training_tokens_per_s']:,} tokens/s (whole conversations, {x['training_tokens']:,} "
+                      f"tokens)", flush=True)
     return 0
 
 

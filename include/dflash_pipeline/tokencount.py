@@ -9,6 +9,12 @@ text. Two figures come out of one pass:
 * `training_tokens`: the whole conversation (prompt, reasoning, answer) rendered with the model's
   chat template and tokenized, which is what tokenization downstream produces.
 
+Each conversation is rendered and encoded once, with offsets; the output counts are the tokens that
+start inside the reasoning and answer spans of that encoding (`Recounter.recount`). Texts whose
+span is not found in the rendered conversation are encoded alone (the previous method, kept as
+`Recounter.recount_separately`). The encoding runs in Rust on all cores (`encode_batch`); the
+Python side per row is a render and a few binary searches.
+
 The tokenizer is a `tokenizer.json` (local file, model directory, `s3://…/tokenizer.json` or an S3
 prefix holding it). The chat template comes from `chat_template.jinja` or
 `tokenizer_config.json`'s `chat_template` next to it; without one, `FALLBACK_CHAT_TEMPLATE`
@@ -17,8 +23,10 @@ prefix holding it). The chat template comes from `chat_template.jinja` or
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -167,10 +175,46 @@ class RecountResult:
     reasoning: np.ndarray
     content: np.ndarray
     training: np.ndarray
+    rows_encoded_alone: int = 0
+    """Rows whose reasoning or answer was encoded alone: its span was not found in the rendered
+    conversation (every row, with `recount_separately`)."""
 
     @property
     def output(self) -> np.ndarray:
         return self.reasoning + self.content
+
+
+@dataclass(frozen=True)
+class _TurnShape:
+    """What the chat template writes around the assistant turn's texts, learnt from a probe render."""
+
+    tail: str
+    """Template text after the answer (ChatML: `<|im_end|>\\n`)."""
+    gap: str | None
+    """Template text between the reasoning and the answer (`\\n</think>\\n\\n`); None when the
+    template does not render the reasoning."""
+
+
+_PROBE_REASONING = "probe reasoning text"
+_PROBE_CONTENT = "probe answer text"
+
+
+def _variants(text: str) -> list[str]:
+    """`text` as a template may have written it: as is, then with '\\n' (then all whitespace) stripped."""
+    out = [text]
+    for v in (text.lstrip("\n"), text.strip("\n"), text.strip()):
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _first_token_at(enc: Any, pos: int, lo: int, hi: int) -> int:
+    """Index of the first token in [lo, hi) whose start offset is >= `pos` (hi if none).
+
+    A binary search through `token_to_chars`: ~11 calls for 2,000 tokens, where `enc.offsets`
+    would build a Python tuple per token (slower than the encoding itself).
+    """
+    return bisect.bisect_left(range(hi), pos, lo, hi, key=lambda t: enc.token_to_chars(t)[0])
 
 
 class Recounter:
@@ -183,6 +227,9 @@ class Recounter:
             self.tokenizer = Tokenizer.from_file(str(files.tokenizer_json))
         except Exception as exc:  # noqa: BLE001 - the Rust error says what is wrong with the file
             raise ConfigError(f"tokenizer {files.spec!r}: not a tokenizers file: {exc}") from exc
+        # A tokenizer.json may carry training-time padding/truncation: either would falsify counts.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
         self.files = files
         self.enable_thinking = enable_thinking
         source = files.chat_template or FALLBACK_CHAT_TEMPLATE
@@ -192,6 +239,24 @@ class Recounter:
         self.inline_reasoning = "reasoning_content" not in source
         self.special = {k: v for k, v in ((k, _token_text(v)) for k, v in files.config.items() if k.endswith("_token")) if v is not None}
         self.marker_tokens = self.count([f"{THINK_OPEN}\n"])[0] + self.count([f"\n{THINK_CLOSE}\n\n"])[0]
+        self.shape = self._probe_shape()
+
+    def _probe_shape(self) -> _TurnShape | None:
+        """Where the template puts the assistant's texts; None: the answer cannot be found (no single pass)."""
+        try:
+            conv = self.render([{"role": "user", "content": "probe question"}], _PROBE_REASONING, _PROBE_CONTENT)
+        except Exception as exc:  # noqa: BLE001 - a template that fails here fails on the rows too, with context
+            logger.warning("chat template: probe render failed (%s); every text is encoded separately", exc)
+            return None
+        c_start = conv.rfind(_PROBE_CONTENT)
+        if c_start < 0:
+            logger.warning("chat template does not render the answer as given; every text is encoded separately")
+            return None
+        r_start = conv.rfind(_PROBE_REASONING, 0, c_start)
+        gap = conv[r_start + len(_PROBE_REASONING) : c_start] if r_start >= 0 else None
+        if gap is None:
+            logger.warning("chat template does not render the reasoning; reasoning is encoded separately")
+        return _TurnShape(tail=conv[c_start + len(_PROBE_CONTENT) :], gap=gap)
 
     def count(self, texts: Sequence[str]) -> np.ndarray:
         """Token counts of `texts` (no special tokens added), encoded as one parallel batch."""
@@ -218,18 +283,95 @@ class Recounter:
             )
         )
 
+    def spans(self, conv: str, reasoning: str, content: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """Char spans of the reasoning and of the answer in the rendered `conv` (None: not found).
+
+        Searched from the end, where the template puts the assistant turn: the answer ends right
+        before the template's tail, the reasoning right before the gap. Each text is tried as is
+        and stripped, as templates strip '\\n' around it.
+        """
+        shape = self.shape
+        if shape is None or not conv.endswith(shape.tail):
+            return None, None
+        end = len(conv) - len(shape.tail)
+        first: tuple[int, int] | None = None
+        for c in _variants(content):
+            if not conv.endswith(c, 0, end):
+                continue
+            c_span = (end - len(c), end)
+            if not reasoning:
+                return None, c_span
+            first = first or c_span
+            if shape.gap is None or not conv.endswith(shape.gap, 0, c_span[0]):
+                continue
+            r_end = c_span[0] - len(shape.gap)
+            for r in _variants(reasoning):
+                if r and conv.endswith(r, 0, r_end):
+                    return (r_end - len(r), r_end), c_span
+        return None, first
+
     def recount(
         self,
         messages: Sequence[list[dict[str, Any]] | None],
         reasoning: Sequence[str | None],
         content: Sequence[str | None],
     ) -> RecountResult:
+        """Reasoning, answer and whole-conversation tokens per row, encoding each conversation once.
+
+        The conversation is rendered with the chat template and encoded with offsets; the
+        reasoning (answer) count is the number of tokens whose *start* offset lies in the
+        reasoning (answer) span of the rendered text, the training count the length of the
+        encoding. Counting in context is closer to what the server counted than encoding the text
+        alone: the model generated those tokens after the preceding text, so a token that spans
+        a boundary (say `.\\n` merging the reasoning's last '.' with the template's '\\n') counts
+        once, on the side where the model emitted it. A text whose span is not found (a template
+        that drops the reasoning, whitespace the template changed) is encoded alone, as before.
+        """
+        n = len(content)
+        r_texts = [r or "" for r in reasoning]
+        c_texts = [c or "" for c in content]
+        convs = [self.render(list(m or []), r or None, c) for m, r, c in zip(messages, reasoning, c_texts)]
+        encs = self.tokenizer.encode_batch(convs, add_special_tokens=False)
+        training = np.fromiter((len(e) for e in encs), dtype=np.int64, count=n)
+        r_n = np.zeros(n, dtype=np.int64)
+        c_n = np.zeros(n, dtype=np.int64)
+        alone: list[tuple[np.ndarray, int, str]] = []
+        for i, (conv, enc, r, c) in enumerate(zip(convs, encs, r_texts, c_texts)):
+            r_span, c_span = self.spans(conv, r, c)
+            size = len(enc)
+            if c_span is None:
+                alone.append((c_n, i, c))
+            elif c_span[0] < c_span[1]:
+                first = _first_token_at(enc, c_span[0], 0, size)
+                c_n[i] = _first_token_at(enc, c_span[1], first, size) - first
+            if not r:
+                continue
+            if r_span is None:
+                alone.append((r_n, i, r))
+            else:
+                first = _first_token_at(enc, r_span[0], 0, size)
+                r_n[i] = _first_token_at(enc, r_span[1], first, size) - first
+        if alone:
+            for (target, i, _), k in zip(alone, self.count([t for _, _, t in alone])):
+                target[i] = k
+        fallback = len({i for _, i, _ in alone})
+        if fallback:
+            logger.debug("recount: %d of %d rows had a text encoded alone (span not found)", fallback, n)
+        return RecountResult(r_n, c_n, training, fallback)
+
+    def recount_separately(
+        self,
+        messages: Sequence[list[dict[str, Any]] | None],
+        reasoning: Sequence[str | None],
+        content: Sequence[str | None],
+    ) -> RecountResult:
+        """The reference method: reasoning, answer and conversation each encoded on its own (twice the work)."""
         n = len(content)
         r_texts = [r or "" for r in reasoning]
         c_texts = [c or "" for c in content]
         convs = [self.render(list(m or []), r or None, c) for m, r, c in zip(messages, reasoning, c_texts)]
         counts = self.count([*r_texts, *c_texts, *convs])
-        return RecountResult(counts[:n], counts[n : 2 * n], counts[2 * n :])
+        return RecountResult(counts[:n], counts[n : 2 * n], counts[2 * n :], n)
 
     def allowed_overhead(self, has_reasoning: np.ndarray) -> np.ndarray:
         """Most tokens a server may count beyond the saved text: think markers (+ newlines) and the stop token."""
@@ -247,4 +389,7 @@ def load_recounter(
         "tokenizer %s: vocab %d, chat template from %s, think markers = %d token(s)",
         spec, rec.tokenizer.get_vocab_size(), rec.template_source, rec.marker_tokens,
     )
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
+        logger.warning("TOKENIZERS_PARALLELISM=%s: the recount encodes on one core only",
+                       os.environ["TOKENIZERS_PARALLELISM"])
     return rec

@@ -116,7 +116,11 @@ class RecountTally:
     max_abs_delta: int = 0
     mismatch_ids: list[str] = field(default_factory=list)
     training: Histogram = field(default_factory=Histogram)
+    rows_encoded_alone: int = 0
     seconds: float = 0.0
+
+    def _per_s(self, tokens: int) -> int | None:
+        return round(tokens / self.seconds) if self.seconds > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,7 +139,11 @@ class RecountTally:
             "<= tokens('<think>\\n') + tokens('\\n</think>\\n\\n') (rows with reasoning) + 1 (stop token)",
             "training_tokens": self.training.total,
             "training_tokens_stats": self.training.summary(),
-            "tokens_per_s": round((self.output_tokens + self.training.total) / self.seconds) if self.seconds > 0 else None,
+            "rows_encoded_alone": self.rows_encoded_alone,
+            # each conversation is encoded once: tokens encoded per second = training tokens per second
+            "tokens_per_s": self._per_s(self.training.total),
+            "output_tokens_per_s": self._per_s(self.output_tokens),
+            "training_tokens_per_s": self._per_s(self.training.total),
         }
 
 
@@ -438,6 +446,7 @@ class Validator:
         rc.reasoning_tokens += int(res.reasoning.sum())
         rc.content_tokens += int(res.content.sum())
         rc.training.add(res.training)
+        rc.rows_encoded_alone += res.rows_encoded_alone
         delta = ct - out
         bad = ct_ok & ((delta < 0) | (delta > self.recounter.allowed_overhead(has_reasoning)))
         k = int(bad.sum())
