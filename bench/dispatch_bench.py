@@ -524,7 +524,9 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
 
     server_sets = ["0:slow_factor=2.0"] if scenario == "slow" else []
     kill = scenario == "killed"
+    t_phase = time.monotonic()
     fleet = Fleet(args, server_sets, workdir)
+    phases: dict[str, float] = {"fleet_start_s": time.monotonic() - t_phase}
     name = f"{scenario}-{client_kind}"
     prefix = f"out/{name}"
     out_bucket = f"{BUCKET}-{scenario}-{client_kind}-{int(time.time())}"
@@ -542,7 +544,9 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             }
             cfg = RunConfig.from_params(params)
             run_id = f"bench-{name}"
+            t_phase = time.monotonic()
             run_plan(s3, cfg, run_id)  # the DAG's plan task
+            phases["plan_s"] = time.monotonic() - t_phase
             servers = run_preflight(s3, cfg, [ServerSpec(u, u) for u in fleet.urls], run_id)  # preflight task
             spec = {"endpoint": moto.endpoint, "params": params, "run_id": run_id, "servers": servers,
                     "settings": KILLED_SETTINGS if kill else {}}
@@ -550,11 +554,14 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             cpu_sim0, cpu_moto0, t_run0 = proc_cpu_s(fleet.proc.pid), proc_cpu_s(moto.proc.pid), time.monotonic()
             res = run_ours(spec, len(fleet.urls), workdir, name)
             run_s = time.monotonic() - t_run0
+            phases["clients_s"] = run_s
             cpu_sim, cpu_moto = proc_cpu_s(fleet.proc.pid) - cpu_sim0, proc_cpu_s(moto.proc.pid) - cpu_moto0
             monitor.stop_ev.set()
             monitor.join()
             try:
+                t_phase = time.monotonic()
                 report = run_validation(s3, cfg.output_uri)  # the DAG's validate task
+                phases["validate_s"] = time.monotonic() - t_phase
             except ValidationFailed:
                 from dflash_pipeline.layout import DatasetLayout
 
@@ -589,6 +596,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
         m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, 0 if kill else None, m["crash_after_s"])
         res["timeline"] = [(round(t - m["t0"], 2), r, w) for (t, r, _), w in zip(monitor.samples, monitor.waiting)]
         res["scenario"], res["client"], res["expected_rows"] = scenario, client_kind, args.prompts
+        res["phases"] = {k: round(v, 2) for k, v in phases.items()}
         return res
     finally:
         fleet.stop()
@@ -641,7 +649,7 @@ def details(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=24000)
+    p.add_argument("--prompts", type=int, default=22000)
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=16, help="max_running_requests of each sim server")
     p.add_argument("--save-every", type=int, default=500, help="the DAG param (500 as in the job)")
