@@ -36,7 +36,7 @@ from typing import Any
 
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.records import decode_inputs, decode_part, encode_part
+from dflash_pipeline.records import decode_inputs, decode_part, encode_part, warm_up
 from dflash_pipeline.sglang import (
     RequestFailure,
     ServerSpec,
@@ -188,6 +188,16 @@ class WorkerStats:
         return d
 
 
+def _rotate(items: list[int], start: int, width: int, k: int) -> list[int]:
+    """`items` with its window [start, start+width) rotated left by k (mod the window's size)."""
+    n = min(len(items) - start, width)
+    if n <= 1:
+        return items
+    k %= n
+    window = items[start:start + n]
+    return items[:start] + window[k:] + window[:k] + items[start + n:]
+
+
 class _RequestPool:
     """`n` daemon threads, each with its own keep-alive session, running one request at a time.
 
@@ -259,6 +269,9 @@ class Worker:
         self._suspect_since: float | None = None
         self._own_stale: set[int] | None = None
         self._done_cache: set[int] = set()
+        # Chunks we hold a claim on, from the claim to its release (open, queued or committing).
+        self._ours: set[int] = set()
+        self._ours_ever = False
         self._tok_window: deque[tuple[float, int]] = deque()
         self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
         self._requeues: dict[str, int] = {}
@@ -280,6 +293,7 @@ class Worker:
         self._in_tail = False
         self._repair_cache: tuple[float, set[int]] | None = None
         self._io = ThreadPoolExecutor(3, thread_name_prefix="s3io")
+        warm_up()
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
@@ -457,15 +471,29 @@ class Worker:
                 if self.settings.try_number > 1 else set()
             )
         now = self.store.server_time()
-        unfinished = [c for c in range(self.n_chunks) if c not in done and c not in self._done_cache]
-        # Workers that start together would all try the same first chunk and queue up behind each
-        # other's refusals: each starts at its own place among the first few, in plan order otherwise.
-        n = min(len(unfinished), max(1, self.settings.n_workers))
-        k = self.settings.map_index % n if n else 0
-        unfinished = unfinished[k:n] + unfinished[:k] + unfinished[n:]
-        for c in [*unfinished, *sorted(repair)]:
-            if c in self.open:
-                continue
+
+        def held(c: int) -> bool:
+            info = claims.get(c)
+            if c in self._ours:
+                return True
+            if info is None or c in self._own_stale:
+                return False
+            return (now - info.last_modified).total_seconds() <= self.settings.lease_s
+
+        free = [c for c in range(self.n_chunks) if c not in done and c not in self._done_cache and not held(c)]
+        # Plan order (the plan's shrinking tail stays last), except where workers claim at the same
+        # moment: all of them at the start, and often at the end, where chunks are small. Walking
+        # the same list they would queue up behind each other's refusals, a round trip each. So the
+        # first claim starts at the worker's own place among the first few free chunks, and after
+        # a refusal each jumps to its own place among the next few. (Not always its own place: the
+        # first free chunk would be left to one worker, which, if slow, gets to a big chunk late.)
+        w = max(1, self.settings.n_workers)
+        if not self._ours_ever:
+            free = _rotate(free, 0, w, self.settings.map_index)
+        candidates = deque([*free, *sorted(c for c in repair if not held(c))])
+        refused = False
+        while candidates:
+            c = candidates.popleft()
             info = claims.get(c)
             body = self._claim_body()
             key = self.layout.claim_key(c)
@@ -486,7 +514,12 @@ class Worker:
                 if stale:
                     self._last_scan = None
                     return None
+                if not refused:
+                    refused = True
+                    candidates = deque(_rotate(list(candidates), 0, w, self.settings.map_index))
                 continue
+            self._ours.add(c)
+            self._ours_ever = True
             chunk = self._open_claimed(c, etag, repairing=c in repair)
             if chunk is not None:
                 return chunk
@@ -532,6 +565,7 @@ class Worker:
         return chunk
 
     def _release(self, c: int) -> None:
+        self._ours.discard(c)
         try:
             self.store.delete(self.layout.claim_key(c))
         except Exception as exc:  # noqa: BLE001 - best effort; the lease expires anyway
@@ -639,6 +673,7 @@ class Worker:
                 )
             except PreconditionFailed:
                 chunk.lost = True
+                self._ours.discard(chunk.index)
                 self._maybe_drop(chunk)
                 self.stats.chunks_lost_to_others += 1
                 logger.warning("chunk %d was taken over by another worker; dropping our copy", chunk.index)

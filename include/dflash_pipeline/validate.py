@@ -10,7 +10,6 @@ few. The report is written even when validation fails, so the reason can be read
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import tempfile
@@ -25,10 +24,10 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from dflash_pipeline.histogram import Histogram, Histogram2D
 from dflash_pipeline.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.records import decode_part
 from dflash_pipeline.store import Store, with_retries
 
 logger = logging.getLogger(__name__)
@@ -741,12 +740,12 @@ def run_validation(
         data = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")
         if data is None:
             raise ValidationFailed(f"input of chunk {c} is missing; the plan under {layout.uri} is damaged")
-        planned_ids = pq.read_table(io.BytesIO(data[0]), columns=["id"]).column("id").to_pylist()
+        planned_ids = decode_part(data[0], ["id"]).column("id").to_pylist()
         table = None
         if c in parts:
             blob = with_retries(lambda: store.get(parts[c]), what=f"read part {c}")
             if blob is not None:
-                table = pq.read_table(io.BytesIO(blob[0]), columns=columns)
+                table = decode_part(blob[0], columns)
         return c, planned_ids, table
 
     try:

@@ -26,7 +26,7 @@ from dflash_pipeline.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.plan import run_plan
 from dflash_pipeline.preflight import run_preflight
 from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import Store
+from dflash_pipeline.store import PreconditionFailed, Store
 from dflash_pipeline.validate import run_validation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,7 +213,7 @@ from dflash_pipeline.devstack import s3_client
 from dflash_pipeline.generate import Worker, WorkerSettings
 from dflash_pipeline.layout import DatasetLayout
 from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import Store
+from dflash_pipeline.store import PreconditionFailed, Store
 a = json.loads(sys.argv[1])
 layout = DatasetLayout.from_uri(a["output_uri"])
 store = Store(s3_client(a["endpoint"]), layout.bucket)
@@ -286,3 +286,58 @@ def test_retried_map_index_takes_back_its_own_claims_at_once(s3_client: Any, buc
     report = run.validate()
     assert report["completions"] == 200
     assert run.claims_left() == []
+
+
+class _CountingStore(Store):
+    """A Store that counts the claim writes S3 refused (412)."""
+
+    refused = 0
+
+    def put(self, key: str, data: bytes, **kwargs: Any) -> str:
+        try:
+            return super().put(key, data, **kwargs)
+        except PreconditionFailed:
+            type(self).refused += 1
+            raise
+
+
+@pytest.mark.timeout(60)
+def test_simultaneous_claims_spread_without_refusals_and_keep_plan_order(
+    s3_client: Any, bucket: str, sim_fleet: Any
+) -> None:
+    fleet = sim_fleet(4, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=400, save_every=25)
+    workers = [
+        Worker(_CountingStore(s3_client, bucket), run.layout, run.manifest, run.settings(i, map_index=i, n_workers=4))
+        for i in range(4)
+    ]
+    # All four tasks claim their first chunk at the same moment, from the same (empty) listing.
+    got: list[Any] = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def first(i: int) -> None:
+        barrier.wait()
+        got[i] = workers[i]._try_claim()
+
+    threads = [threading.Thread(target=first, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(ch.index for ch in got) == [0, 1, 2, 3]  # the first four chunks, one each
+    assert _CountingStore.refused == 0  # nobody queued up behind another's claim
+
+    # Later claims keep plan order: the lowest free chunk goes to whoever asks next, whatever its
+    # map index (a fixed place per worker would leave it to one worker, late if that one is slow).
+    workers[0]._last_scan = None  # a fresh listing (a reused one may not show chunk 4 yet)
+    assert workers[3]._try_claim().index == 4
+    assert workers[0]._try_claim().index == 5
+
+    # Two workers racing for the same next chunk: one wins, the other is refused once and moves
+    # to its own place among the next chunks rather than walking into the winner's next refusal.
+    _CountingStore.refused = 0
+    listing = workers[1]._scan()
+    assert workers[2]._claim_from(*listing).index == 6
+    second = workers[1]._claim_from(*listing)
+    assert second is not None and second.index == 8  # chunk 6 refused, then its place (1) among 7, 8, 9, 10
+    assert _CountingStore.refused == 1
