@@ -188,14 +188,13 @@ class WorkerStats:
         return d
 
 
-def _rotate(items: list[int], start: int, width: int, k: int) -> list[int]:
-    """`items` with its window [start, start+width) rotated left by k (mod the window's size)."""
-    n = min(len(items) - start, width)
+def _rotate(items: list[int], width: int, k: int) -> list[int]:
+    """`items` with its first `width` rotated left by k (mod how many there are)."""
+    n = min(len(items), width)
     if n <= 1:
         return items
     k %= n
-    window = items[start:start + n]
-    return items[:start] + window[k:] + window[:k] + items[start + n:]
+    return items[k:n] + items[:k] + items[n:]
 
 
 class _RequestPool:
@@ -489,7 +488,7 @@ class Worker:
         # first free chunk would be left to one worker, which, if slow, gets to a big chunk late.)
         w = max(1, self.settings.n_workers)
         if not self._ours_ever:
-            free = _rotate(free, 0, w, self.settings.map_index)
+            free = _rotate(free, w, self.settings.map_index)
         candidates = deque([*free, *sorted(c for c in repair if not held(c))])
         refused = False
         while candidates:
@@ -501,14 +500,13 @@ class Worker:
                 if info is None:
                     etag = self.store.put(key, body, if_none_match=True, content_type="application/json")
                 else:
-                    age = (now - info.last_modified).total_seconds()
+                    # Not held (see `held`): our own earlier try's claim, or an expired lease.
                     mine = c in self._own_stale
-                    if not mine and age <= self.settings.lease_s:
-                        continue
                     etag = self.store.put(key, body, if_match=info.etag, content_type="application/json")
                     self._own_stale.discard(c)
                     if not mine:
                         self.stats.chunks_taken_over += 1
+                        age = (now - info.last_modified).total_seconds()
                         logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
             except PreconditionFailed:
                 if stale:
@@ -516,7 +514,7 @@ class Worker:
                     return None
                 if not refused:
                     refused = True
-                    candidates = deque(_rotate(list(candidates), 0, w, self.settings.map_index))
+                    candidates = deque(_rotate(list(candidates), w, self.settings.map_index))
                 continue
             self._ours.add(c)
             self._ours_ever = True

@@ -71,7 +71,7 @@ def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
     return _to_parquet(table)
 
 
-def _read(data: bytes, columns: Sequence[str] | None) -> pa.Table:
+def read_parquet(data: bytes, columns: Sequence[str] | None = None) -> pa.Table:
     """One in-memory Parquet file (`ParquetFile`: `read_table` goes through pyarrow.dataset)."""
     return pq.ParquetFile(io.BytesIO(data)).read(columns=list(columns) if columns else None)
 
@@ -85,7 +85,7 @@ def warm_up() -> None:
 
 
 def decode_inputs(data: bytes) -> list[dict[str, Any]]:
-    return _read(data, ["id", "messages"]).to_pylist()
+    return read_parquet(data, ["id", "messages"]).to_pylist()
 
 
 def encode_part(rows: Iterable[dict[str, Any]]) -> bytes:
@@ -95,4 +95,4 @@ def encode_part(rows: Iterable[dict[str, Any]]) -> bytes:
 
 
 def decode_part(data: bytes, columns: Sequence[str] | None = None) -> pa.Table:
-    return _read(data, columns)
+    return read_parquet(data, columns)

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from dflash_pipeline.histogram import Histogram, Histogram2D
 from dflash_pipeline.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.records import decode_part
+from dflash_pipeline.records import read_parquet
 from dflash_pipeline.store import Store, with_retries
 
 logger = logging.getLogger(__name__)
@@ -740,12 +740,12 @@ def run_validation(
         data = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")
         if data is None:
             raise ValidationFailed(f"input of chunk {c} is missing; the plan under {layout.uri} is damaged")
-        planned_ids = decode_part(data[0], ["id"]).column("id").to_pylist()
+        planned_ids = read_parquet(data[0], ["id"]).column("id").to_pylist()
         table = None
         if c in parts:
             blob = with_retries(lambda: store.get(parts[c]), what=f"read part {c}")
             if blob is not None:
-                table = decode_part(blob[0], columns)
+                table = read_parquet(blob[0], columns)
         return c, planned_ids, table
 
     try:

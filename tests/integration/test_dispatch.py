@@ -213,7 +213,7 @@ from dflash_pipeline.devstack import s3_client
 from dflash_pipeline.generate import Worker, WorkerSettings
 from dflash_pipeline.layout import DatasetLayout
 from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import PreconditionFailed, Store
+from dflash_pipeline.store import Store
 a = json.loads(sys.argv[1])
 layout = DatasetLayout.from_uri(a["output_uri"])
 store = Store(s3_client(a["endpoint"]), layout.bucket)
