@@ -3,9 +3,9 @@
     .venv/bin/python bench/dispatch_bench.py            # defaults: 8000 prompts, 4 servers x 16 slots
 
 What runs where (so the client's CPU is measured alone):
-- S3 is a real moto server subprocess (`python -m dflash_pipeline.s3server`: atomic conditional writes) (one for the whole benchmark;
+- S3 is a real moto server subprocess (`python -m dflash_pipeline.dev.s3server`: atomic conditional writes) (one for the whole benchmark;
   prompts in one bucket, each run's output in a fresh bucket: moto lists a prefix by scanning the whole bucket).
-- The fleet is `python -m dflash_pipeline.sim` in its own subprocess, fresh for every client and scenario.
+- The fleet is `python -m dflash_pipeline.dev.sim` in its own subprocess, fresh for every client and scenario.
 - Each client runs in a child process of this script (`--child ours|baseline`), which reports its own
   CPU time (`time.process_time`) and peak RSS (VmHWM of that child only).
 - "ours" is the code the DAG runs: `run_plan` and `run_preflight` here (the DAG's plan and preflight
@@ -122,8 +122,8 @@ def _prompt_rows(n: int) -> list[dict[str, Any]]:
 class Moto:
     def __init__(self) -> None:
         self.port = _free_port()
-        # moto with S3's atomic conditional writes (dflash_pipeline.s3server explains why).
-        cmd = [sys.executable, "-m", "dflash_pipeline.s3server"]
+        # moto with S3's atomic conditional writes (dflash_pipeline.dev.s3server explains why).
+        cmd = [sys.executable, "-m", "dflash_pipeline.dev.s3server"]
         self.proc = subprocess.Popen(cmd + ["-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -146,12 +146,12 @@ class Moto:
 
 
 class Fleet:
-    """`python -m dflash_pipeline.sim` in its own process."""
+    """`python -m dflash_pipeline.dev.sim` in its own process."""
 
     def __init__(self, args: argparse.Namespace, server_sets: list[str], workdir: Path) -> None:
         urls_file = workdir / f"urls-{time.monotonic_ns()}.txt"
         cmd = [
-            sys.executable, "-m", "dflash_pipeline.sim", "--count", str(args.servers), "--urls-file", str(urls_file),
+            sys.executable, "-m", "dflash_pipeline.dev.sim", "--count", str(args.servers), "--urls-file", str(urls_file),
             "--set", f"max_running_requests={args.slots}", "--set", f"token_time_s={args.token_time_s}",
             "--set", f"length_scale={args.length_scale}", "--set", f"mean_tokens={args.mean_tokens}",
             "--set", "track_ids=false",
@@ -245,10 +245,10 @@ class Monitor(threading.Thread):
 def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
     """One mapped generate task: one Worker for server `map_index`, alone in its process, as in the DAG."""
     from dflash_pipeline.config import RunConfig
-    from dflash_pipeline.generate import Worker, settings_for
-    from dflash_pipeline.layout import DatasetLayout
-    from dflash_pipeline.sglang import ServerSpec
-    from dflash_pipeline.store import Store
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.serving.sglang import ServerSpec
+    from dflash_pipeline.steps.generate import Worker, settings_for
 
     client = _s3(spec["endpoint"])
     cfg = RunConfig.from_params(spec["params"])
@@ -462,8 +462,8 @@ def scaled_max_tokens(args: argparse.Namespace) -> int:
 
 def prompt_lengths(n: int, args: argparse.Namespace) -> list[int]:
     """The completion length the sim will produce for each prompt, in plan order (for the bound)."""
-    from dflash_pipeline.prompts import normalize_row
-    from dflash_pipeline.sim.lengths import plan_lengths
+    from dflash_pipeline.dataset.prompts import normalize_row
+    from dflash_pipeline.dev.sim.lengths import plan_lengths
 
     out = []
     for i, row in enumerate(_prompt_rows(n)):
@@ -517,10 +517,10 @@ def oblivious_bound(lengths: list[int], stats: list[dict[str, Any]], killed: int
 def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: str, workdir: Path,
             lengths: list[int]) -> dict[str, Any]:
     from dflash_pipeline.config import RunConfig
-    from dflash_pipeline.plan import run_plan
-    from dflash_pipeline.preflight import run_preflight
-    from dflash_pipeline.sglang import ServerSpec
-    from dflash_pipeline.validate import ValidationFailed, run_validation
+    from dflash_pipeline.serving.sglang import ServerSpec
+    from dflash_pipeline.steps.plan import run_plan
+    from dflash_pipeline.steps.preflight import run_preflight
+    from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 
     server_sets = ["0:slow_factor=2.0"] if scenario == "slow" else []
     kill = scenario == "killed"
@@ -563,7 +563,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
                 report = run_validation(s3, cfg.output_uri)  # the DAG's validate task
                 phases["validate_s"] = time.monotonic() - t_phase
             except ValidationFailed:
-                from dflash_pipeline.layout import DatasetLayout
+                from dflash_pipeline.dataset.layout import DatasetLayout
 
                 lay = DatasetLayout.from_uri(cfg.output_uri)
                 report = json.loads(s3.get_object(Bucket=out_bucket, Key=lay.report_key)["Body"].read())
@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(threadName)s %(name)s %(message)s")
         if os.environ.get("DISPATCH_BENCH_DEBUG"):
-            logging.getLogger("dflash_pipeline.generate").setLevel(logging.DEBUG)
+            logging.getLogger("dflash_pipeline.steps.generate").setLevel(logging.DEBUG)
         spec = json.loads(Path(args.spec).read_text())
         res = child_ours(spec) if args.child == "ours" else child_baseline(spec)
         Path(args.result).write_text(json.dumps(res))

@@ -19,9 +19,9 @@ import boto3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "include"))
 
-from dflash_pipeline.devstack import MotoServer  # noqa: E402
-from dflash_pipeline.faultlab import TcpCut, run_scenario  # noqa: E402
-from dflash_pipeline.sim import SimFleet  # noqa: E402
+from dflash_pipeline.dev.faultlab import TcpCut, run_scenario  # noqa: E402
+from dflash_pipeline.dev.sim import SimFleet  # noqa: E402
+from dflash_pipeline.dev.stack import MotoServer  # noqa: E402
 
 COMMON = dict(token_time_s=0.0005, length_scale=0.05, max_running_requests=6)
 

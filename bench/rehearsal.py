@@ -47,7 +47,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "include"))
 
-from dflash_pipeline.devstack import Stack, process_tree  # noqa: E402
+from dflash_pipeline.dev.stack import Stack, process_tree  # noqa: E402
 
 DAG = "dflash_generate"
 BUCKET = "rehearsal"

@@ -82,8 +82,8 @@ _CLIENT: Any = None
 def _init_worker(endpoint: str, seed: int) -> None:
     import numpy as np
 
-    from dflash_pipeline.devstack import s3_client
-    from dflash_pipeline.sim.lengths import VOCAB
+    from dflash_pipeline.dev.sim.lengths import VOCAB
+    from dflash_pipeline.dev.stack import s3_client
 
     global _POOL, _OFFS, _CLIENT
     rng = random.Random(seed)
@@ -103,9 +103,9 @@ def _text(rng: random.Random, n: int) -> str:
 
 def _write_chunk(args: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
     """Input + part of one chunk; returns (chunk, rows, input bytes, part bytes, text bytes)."""
-    from dflash_pipeline.layout import DatasetLayout
-    from dflash_pipeline.records import encode_inputs, encode_part
-    from dflash_pipeline.sim.lengths import count_prompt_tokens, plan_lengths
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.records import encode_inputs, encode_part
+    from dflash_pipeline.dev.sim.lengths import count_prompt_tokens, plan_lengths
 
     c, first, size, max_tokens, n_servers = args
     layout = DatasetLayout(BUCKET, ROOT)
@@ -144,9 +144,9 @@ def _write_chunk(args: tuple[int, int, int, int, int]) -> tuple[int, int, int, i
 def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max_tokens: int, workers: int,
                   only_chunks: int | None = None) -> dict[str, Any]:
     """The dataset's manifest and chunks (only the first `only_chunks`, if given: same rows as a full write)."""
-    from dflash_pipeline.devstack import s3_client
-    from dflash_pipeline.layout import DatasetLayout
-    from dflash_pipeline.plan import chunk_sizes
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dev.stack import s3_client
+    from dflash_pipeline.steps.plan import chunk_sizes
 
     sizes = chunk_sizes(rows, save_every, n_servers)
     firsts = [0]
@@ -181,8 +181,8 @@ def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max
 
 # -- children ----------------------------------------------------------------------------------
 def child_validate(endpoint: str) -> None:
-    from dflash_pipeline.devstack import s3_client
-    from dflash_pipeline.validate import ValidationFailed, run_validation
+    from dflash_pipeline.dev.stack import s3_client
+    from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 
     client = s3_client(endpoint)
     started = time.monotonic()
@@ -211,10 +211,10 @@ def child_recount(endpoint: str, parts: int, tokenizer: str | None, reference: b
 
     import pyarrow.parquet as pq
 
-    from dflash_pipeline.devstack import s3_client
-    from dflash_pipeline.layout import DatasetLayout
-    from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
-    from dflash_pipeline.tokencount import load_recounter
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
+    from dflash_pipeline.dev.stack import s3_client
+    from dflash_pipeline.steps.validate.tokencount import load_recounter
 
     client = s3_client(endpoint)
     layout = DatasetLayout(BUCKET, ROOT)
@@ -283,7 +283,7 @@ def main() -> int:
         child_recount(args.endpoint, args.recount_parts, args.recount_tokenizer, args.recount_reference)
         return 0
 
-    from dflash_pipeline.devstack import MotoServer
+    from dflash_pipeline.dev.stack import MotoServer
 
     with MotoServer(log_path=Path(tempfile.mkdtemp(prefix="bench-moto-")) / "moto.log") as moto:
         moto.create_bucket(BUCKET)

@@ -20,7 +20,7 @@ from typing import Any
 from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import PARAM_SCHEMAS
-from dflash_pipeline.handoff import completions_asset
+from dflash_pipeline.tasks import completions_asset
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
 PARAMS = {

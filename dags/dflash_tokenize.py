@@ -15,7 +15,7 @@ from typing import Any
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dflash_pipeline.handoff import completions_asset
+from dflash_pipeline.tasks import completions_asset
 
 
 @dag(
@@ -37,7 +37,8 @@ def dflash_tokenize() -> None:
     def check_handoff() -> list[dict[str, Any]]:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from dflash_pipeline import handoff, tasks
+        from dflash_pipeline import tasks
+        from dflash_pipeline.steps import handoff
 
         ctx = get_current_context()
         events = ctx["triggering_asset_events"].get(completions_asset(), []) if ctx.get("triggering_asset_events") else []

@@ -1,7 +1,7 @@
 """Airflow UI plugin: a live progress / report page for dflash_generate runs.
 
-Wiring only; the app is `dflash_pipeline.ui_app`, the HTML `dflash_pipeline.ui`, the arithmetic
-`dflash_pipeline.progress`. Every Airflow component imports plugins, so the FastAPI app (which
+Wiring only; the app is `dflash_pipeline.monitor.ui_app`, the HTML `dflash_pipeline.monitor.ui`, the arithmetic
+`dflash_pipeline.monitor.progress`. Every Airflow component imports plugins, so the FastAPI app (which
 imports the API server's security modules) is built on its first request, in the API server only.
 
 - `/dflash/runs/{dag_id}/{run_id}`: the page (a "DFlash progress" tab on every DAG run)
@@ -30,7 +30,7 @@ class _LazyApp:
         if self._app is None:
             with self._lock:
                 if self._app is None:
-                    from dflash_pipeline.ui_app import create_app
+                    from dflash_pipeline.monitor.ui_app import create_app
 
                     self._app = create_app(URL_PREFIX)
         return self._app
@@ -39,7 +39,7 @@ class _LazyApp:
         await self._get()(scope, receive, send)
 
     def __repr__(self) -> str:
-        return "dflash_pipeline.ui_app:create_app (built on first request)"
+        return "dflash_pipeline.monitor.ui_app:create_app (built on first request)"
 
 
 class DflashProgressPlugin(AirflowPlugin):

@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "include"))  # works even before `pip install -e .`
 
-from dflash_pipeline.devstack import Stack, TaskInstanceInfo  # noqa: E402
+from dflash_pipeline.dev.stack import Stack, TaskInstanceInfo  # noqa: E402
 
 log = logging.getLogger("demo")
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Uploaded {args.prompts.relative_to(REPO) if args.prompts.is_relative_to(REPO) else args.prompts}"
                   f" -> {prompts_uri}")
             # The simulator's own tokenizer (exact for its texts): validation recounts tokens with it.
-            from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
+            from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
 
             tok_dir = build_sim_tokenizer(args.home / "tokenizer")
             for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -31,10 +31,10 @@ if "AIRFLOW_HOME" not in os.environ:  # before anything imports airflow
     os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="dflash-test-airflow-home-")
     os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
-from dflash_pipeline.devstack import AirflowStack, MotoServer  # noqa: E402
+from dflash_pipeline.dev.stack import AirflowStack, MotoServer  # noqa: E402
 
 if TYPE_CHECKING:
-    from dflash_pipeline.sim import SimFleet
+    from dflash_pipeline.dev.sim import SimFleet
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_DAGS_BUNDLE = "test-dags"
@@ -102,7 +102,7 @@ def sim_fleet() -> Iterator[Callable[..., SimFleet]]:
     overrides are ``SimConfig`` fields, e.g. ``token_time_s=0.001, length_scale=0.05``) and returns
     it started: ``.urls`` (base URLs), ``.servers`` (``SimServer`` objects: ``.url``, ``.stats()``...).
     """
-    from dflash_pipeline.sim import SimFleet  # lazy: the simulator is optional for most tests
+    from dflash_pipeline.dev.sim import SimFleet  # lazy: the simulator is optional for most tests
 
     fleets: list[SimFleet] = []
 

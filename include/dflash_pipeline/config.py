@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_pipeline.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 SECTION_DATA = "Data"
 SECTION_SERVERS = "Servers"

@@ -12,11 +12,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dflash_pipeline.config import ConfigError, RunConfig
-from dflash_pipeline.layout import DatasetLayout, UriError
-from dflash_pipeline.sglang import ServerSpec
+from dflash_pipeline.dataset.layout import DatasetLayout, UriError
+
+if TYPE_CHECKING:  # the DAG files import this module at parse time: no HTTP client then
+    from dflash_pipeline.serving.sglang import ServerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +30,24 @@ def _fail_fast() -> Iterator[None]:
     """Turn what a retry cannot fix into AirflowFailException with the original message."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from dflash_pipeline.generate import ServerConfigError
-    from dflash_pipeline.plan import PlanError
-    from dflash_pipeline.store import StoreConfigError
-    from dflash_pipeline.validate import ValidationFailed
+    from dflash_pipeline.dataset.store import StoreConfigError
+    from dflash_pipeline.steps.generate import ServerConfigError
+    from dflash_pipeline.steps.plan import PlanError
+    from dflash_pipeline.steps.validate import ValidationFailed
 
     try:
         yield
     except (ConfigError, PlanError, ServerConfigError, StoreConfigError, ValidationFailed, UriError) as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
+
+
+def completions_asset() -> Any:
+    """The hand-off Asset (steps.handoff names it; the Asset object is Airflow's, so it is built here)."""
+    from airflow.sdk import Asset
+
+    from dflash_pipeline.steps.handoff import ASSET_NAME, ASSET_URI
+
+    return Asset(name=ASSET_NAME, uri=ASSET_URI, group="dflash")
 
 
 def s3_client(aws_conn_id: str) -> Any:
@@ -48,6 +59,8 @@ def s3_client(aws_conn_id: str) -> Any:
 
 def resolve_server(name: str) -> ServerSpec:
     """A base URL as given, or an Airflow connection: host (with or without scheme), port, password = API key."""
+    from dflash_pipeline.serving.sglang import ServerSpec
+
     if name.startswith(("http://", "https://")):
         return ServerSpec(name=name, base_url=name.rstrip("/"))
     from airflow.sdk import BaseHook
@@ -72,7 +85,7 @@ def config_from_params(params: dict[str, Any]) -> RunConfig:
 
 
 def plan(params: dict[str, Any], run_id: str) -> dict[str, Any]:
-    from dflash_pipeline.plan import run_plan
+    from dflash_pipeline.steps.plan import run_plan
 
     cfg = config_from_params(params)
     with _fail_fast():
@@ -80,7 +93,7 @@ def plan(params: dict[str, Any], run_id: str) -> dict[str, Any]:
 
 
 def preflight(params: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
-    from dflash_pipeline.preflight import run_preflight
+    from dflash_pipeline.steps.preflight import run_preflight
 
     cfg = config_from_params(params)
     with _fail_fast():
@@ -89,7 +102,7 @@ def preflight(params: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
 
 
 def _wait_for_server(spec: ServerSpec, deadline_s: float, check: Callable[[], bool]) -> None:
-    from dflash_pipeline.generate import ServerLost
+    from dflash_pipeline.steps.generate import ServerLost
 
     start = time.monotonic()
     while not check():
@@ -111,9 +124,9 @@ def generate(
     """Drive one server until the dataset is complete; return a small summary for XCom."""
     import json
 
-    from dflash_pipeline.generate import Worker, settings_for
-    from dflash_pipeline.sglang import check_health, new_session
-    from dflash_pipeline.store import Store
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.serving.sglang import check_health, new_session
+    from dflash_pipeline.steps.generate import Worker, settings_for
 
     cfg = config_from_params(params)
     with _fail_fast():
@@ -128,7 +141,7 @@ def generate(
             cfg, run_id=run_id, map_index=map_index, server=spec, server_info=server, try_number=try_number
         )
         if on_progress is None:
-            from dflash_pipeline.progress import ProgressWriter
+            from dflash_pipeline.monitor.progress import ProgressWriter
 
             on_progress = ProgressWriter(
                 store, layout.progress_key(run_id, settings.worker), run_id=run_id, try_number=try_number,
@@ -145,8 +158,8 @@ def generate(
 
 def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any]:
     """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`)."""
-    from dflash_pipeline.handoff import completions_asset, event_extra
-    from dflash_pipeline.validate import Thresholds, run_validation
+    from dflash_pipeline.steps.handoff import event_extra
+    from dflash_pipeline.steps.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
     thresholds = Thresholds(

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dflash_pipeline.devstack import AirflowStack
+from dflash_pipeline.dev.stack import AirflowStack
 
 
 @pytest.hookimpl(hookwrapper=True)

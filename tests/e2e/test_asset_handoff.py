@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.devstack import AirflowStack
+from dflash_pipeline.dev.stack import AirflowStack
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ One Airflow stack for this module only (separate from the session's LocalExecuto
 PostgreSQL database (metadata DB and Celery result backend; dropped afterwards), Redis on loopback
 as the broker (this stack's keys under a random prefix), api-server, scheduler, dag-processor and
 two ``airflow celery worker`` processes named ``w1`` and ``w2``. Every component shares one JWT
-secret and execution-API URL (see ``AirflowStack``/``CeleryConfig`` in devstack.py).
+secret and execution-API URL (see ``AirflowStack``/``CeleryConfig`` in dflash_pipeline.dev.stack).
 
 Needs PostgreSQL and Redis: ``scripts/ci_services.sh`` starts them. Without them the module is
 skipped, except under CI (``CI`` set), where it fails.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.devstack import (
+from dflash_pipeline.dev.stack import (
     AirflowStack,
     CeleryConfig,
     MotoServer,
@@ -107,7 +107,7 @@ def _generate_tis(stack: AirflowStack, run_id: str) -> list[TaskInstanceInfo]:
 
 
 def _worker_of(ti: TaskInstanceInfo) -> str | None:
-    """``w1`` for a task instance whose hostname is ``w1@host`` (see devstack.worker_hostname)."""
+    """``w1`` for a task instance whose hostname is ``w1@host`` (see dflash_pipeline.dev.stack.services.worker_hostname)."""
     return ti.hostname.split("@", 1)[0] if ti.hostname and "@" in ti.hostname else None
 
 

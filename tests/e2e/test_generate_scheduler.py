@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from dflash_pipeline.devstack import AirflowStack
+from dflash_pipeline.dev.stack import AirflowStack
 
 pytestmark = pytest.mark.slow
 

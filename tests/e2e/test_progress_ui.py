@@ -21,7 +21,7 @@ from urllib.parse import quote
 import pytest
 import requests
 
-from dflash_pipeline.devstack import AirflowStack, MotoServer
+from dflash_pipeline.dev.stack import AirflowStack, MotoServer
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def ui_bucket(moto_server: MotoServer) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def ui_fleet() -> Iterator[Any]:
-    from dflash_pipeline.sim import SimFleet
+    from dflash_pipeline.dev.sim import SimFleet
 
     fleet = SimFleet.uniform(2, token_time_s=0.005, length_scale=0.05, max_running_requests=8).start()
     yield fleet

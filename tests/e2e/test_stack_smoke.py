@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from dflash_pipeline.devstack import AirflowStack
+from dflash_pipeline.dev.stack import AirflowStack
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)

@@ -19,10 +19,9 @@ CONSUMER = "dflash_tokenize"
 
 
 def _xcom(dag_id: str, run_id: str, task_id: str) -> Any:
-    from sqlalchemy import select
-
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
     with create_session() as session:
         value = session.scalar(
@@ -35,12 +34,11 @@ def _xcom(dag_id: str, run_id: str, task_id: str) -> Any:
 
 
 def _assets() -> dict[str, Any]:
-    from sqlalchemy import select
-
     from airflow.models.asset import AssetDagRunQueue, AssetEvent, AssetModel
     from airflow.utils.session import create_session
+    from sqlalchemy import select
 
-    from dflash_pipeline.handoff import ASSET_NAME
+    from dflash_pipeline.steps.handoff import ASSET_NAME
 
     with create_session() as session:
         asset = session.scalar(select(AssetModel).where(AssetModel.name == ASSET_NAME))
@@ -55,8 +53,6 @@ def _assets() -> dict[str, Any]:
 
 def _run_consumer(dag: Any) -> dict[str, Any]:
     """Create the asset-triggered run as the scheduler does, then run its tasks like dag.test()."""
-    from sqlalchemy import select
-
     from airflow.jobs.job import Job
     from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
     from airflow.models.dag import DagModel
@@ -65,6 +61,7 @@ def _run_consumer(dag: Any) -> dict[str, Any]:
     from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.session import create_session
     from airflow.utils.state import DagRunState, TaskInstanceState
+    from sqlalchemy import select
 
     with create_session() as session:
         runner = SchedulerJobRunner(job=Job())

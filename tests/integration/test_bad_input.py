@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.faultlab import run_generation
-from dflash_pipeline.plan import run_plan
-from dflash_pipeline.validate import Thresholds, run_validation
+from dflash_pipeline.dev.faultlab import run_generation
+from dflash_pipeline.steps.plan import run_plan
+from dflash_pipeline.steps.validate import Thresholds, run_validation
 
 
 def test_max_rejects_lets_plan_continue_and_records_the_rejects(s3_client, bucket) -> None:

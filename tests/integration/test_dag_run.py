@@ -18,11 +18,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from dflash_pipeline.devstack import MotoServer
-from dflash_pipeline.prompts import derive_id
-from dflash_pipeline.sim import SimConfig, SimServer
-from dflash_pipeline.sim.lengths import plan_lengths, render_completion
-from dflash_pipeline.sglang import split_reasoning
+from dflash_pipeline.dataset.prompts import derive_id
+from dflash_pipeline.dev.sim import SimConfig, SimServer
+from dflash_pipeline.dev.sim.lengths import plan_lengths, render_completion
+from dflash_pipeline.dev.stack import MotoServer
+from dflash_pipeline.serving.sglang import split_reasoning
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("dagtest_runner.py")

@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.generate import ServerLost, Worker, WorkerSettings
-from dflash_pipeline.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.plan import run_plan
-from dflash_pipeline.preflight import run_preflight
-from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import PreconditionFailed, Store
-from dflash_pipeline.validate import run_validation
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.store import PreconditionFailed, Store
+from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.steps.generate import ServerLost, Worker, WorkerSettings
+from dflash_pipeline.steps.plan import run_plan
+from dflash_pipeline.steps.preflight import run_preflight
+from dflash_pipeline.steps.validate import run_validation
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -209,11 +209,11 @@ def test_crash_wastes_only_the_requests_in_flight(s3_client: Any, bucket: str, s
 _CHILD = r"""
 import json, sys
 from dflash_pipeline.config import Sampling
-from dflash_pipeline.devstack import s3_client
-from dflash_pipeline.generate import Worker, WorkerSettings
-from dflash_pipeline.layout import DatasetLayout
-from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import Store
+from dflash_pipeline.dev.stack import s3_client
+from dflash_pipeline.steps.generate import Worker, WorkerSettings
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.dataset.store import Store
 a = json.loads(sys.argv[1])
 layout = DatasetLayout.from_uri(a["output_uri"])
 store = Store(s3_client(a["endpoint"]), layout.bucket)

@@ -12,7 +12,7 @@ import time
 import boto3
 import pytest
 
-from dflash_pipeline.faultlab import TcpCut, run_scenario
+from dflash_pipeline.dev.faultlab import TcpCut, run_scenario
 
 COMMON = dict(token_time_s=0.0005, length_scale=0.05, max_running_requests=6)
 

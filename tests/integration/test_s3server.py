@@ -2,7 +2,7 @@
 
 Claims and commits are only as safe as `If-None-Match` / `If-Match` are atomic. Stock moto 5.2.x
 checks the condition and then stores in two unlocked steps, so concurrent creates of one key can
-all succeed; `dflash_pipeline.s3server` closes that gap. These tests race real PUTs over HTTP.
+all succeed; `dflash_pipeline.dev.s3server` closes that gap. These tests race real PUTs over HTTP.
 The race window is short, so the decisive test runs the server in a child process with a tiny
 GIL switch interval: there stock moto let 2+ creators win in 4 of 100 rounds (measured with
 `RACE_VARIANT=stock`), the patched server in none.
@@ -93,7 +93,7 @@ def _race_in_child(variant: str, rounds: int) -> int:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if variant == "patched":
-        from dflash_pipeline.s3server import make_conditional_writes_atomic
+        from dflash_pipeline.dev.s3server import make_conditional_writes_atomic
 
         make_conditional_writes_atomic()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

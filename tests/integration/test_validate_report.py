@@ -20,10 +20,10 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from dflash_pipeline.devstack import MotoServer
-from dflash_pipeline.sim import SimConfig, SimServer
-from dflash_pipeline.sim.lengths import VOCAB, count_tokens
-from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
+from dflash_pipeline.dev.sim import SimConfig, SimServer
+from dflash_pipeline.dev.sim.lengths import VOCAB, count_tokens
+from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
+from dflash_pipeline.dev.stack import MotoServer
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("asset_runner.py")

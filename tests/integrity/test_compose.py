@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dflash_pipeline.devstack import CeleryConfig, PostgresDatabase
+from dflash_pipeline.dev.stack import CeleryConfig, PostgresDatabase
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yaml"
@@ -197,10 +197,10 @@ def test_secrets_come_from_env_example_and_env_is_ignored(raw: dict[str, Any]) -
 
 
 def test_sim_command_is_a_valid_simulator_command_and_matches_the_conf(services: dict[str, Any]) -> None:
-    from dflash_pipeline.sim.__main__ import build_configs, build_parser
+    from dflash_pipeline.dev.sim.__main__ import build_configs, build_parser
 
     sim = services["sim"]
-    assert sim["entrypoint"] == ["python", "-m", "dflash_pipeline.sim"]
+    assert sim["entrypoint"] == ["python", "-m", "dflash_pipeline.dev.sim"]
     args = build_parser().parse_args(_argv(sim["command"]))  # exits (SystemExit) on an unknown flag
     configs = build_configs(args)
     assert all(c.host == "0.0.0.0" for c in configs), "listens on the compose network"

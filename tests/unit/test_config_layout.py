@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_pipeline.config import PARAM_SCHEMAS, ConfigError, RunConfig
-from dflash_pipeline.layout import DatasetLayout, UriError, chunk_of_key, parse_s3_uri, safe_run_id
+from dflash_pipeline.dataset.layout import DatasetLayout, UriError, chunk_of_key, parse_s3_uri, safe_run_id
 
 BASE = {"prompts_uri": "s3://in-bucket/p.jsonl", "output_uri": "s3://out-bucket/ds/v1", "servers": ["http://h:30000"]}
 

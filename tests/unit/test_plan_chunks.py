@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.plan import PlanError, _Deduper, check_pins, chunk_sizes, chunk_stream, pinned_settings
-from dflash_pipeline.prompts import Prompt
+from dflash_pipeline.dataset.prompts import Prompt
+from dflash_pipeline.steps.plan import PlanError, _Deduper, check_pins, chunk_sizes, chunk_stream, pinned_settings
 
 
 @pytest.mark.parametrize(("n", "save_every", "servers"), [(1, 500, 7), (902_087, 500, 7), (8000, 100, 4), (999, 10, 3), (50, 500, 1)])

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline import ui
-from dflash_pipeline.progress import (
+from dflash_pipeline.monitor import ui
+from dflash_pipeline.monitor.progress import (
     HISTORY_MAX,
     MIN_COMPLETIONS_FOR_ETA,
     ProgressWriter,
@@ -227,9 +227,9 @@ def test_a_later_try_carries_the_earlier_tries_totals_and_history() -> None:
 
 def test_worker_snapshot_separates_done_from_submitted() -> None:
     from dflash_pipeline.config import Sampling
-    from dflash_pipeline.generate import OpenChunk, Worker, WorkerSettings
-    from dflash_pipeline.layout import DatasetLayout
-    from dflash_pipeline.sglang import ServerSpec
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.serving.sglang import ServerSpec
+    from dflash_pipeline.steps.generate import OpenChunk, Worker, WorkerSettings
 
     settings = WorkerSettings(run_id=RUN, worker="w0003", server=ServerSpec("gpu3", "http://gpu3:30000"),
                               model="m", sampling=Sampling(), concurrency=8, try_number=2)
@@ -256,7 +256,7 @@ def test_writer_never_raises_and_logs_one_warning_per_outage(caplog: pytest.LogC
     store = FakeStore()
     writer = ProgressWriter(store, "k.json", run_id=RUN, try_number=1, every_s=10.0)
     store.fail = True
-    with caplog.at_level(logging.WARNING, logger="dflash_pipeline.progress"):
+    with caplog.at_level(logging.WARNING, logger="dflash_pipeline.monitor.progress"):
         for i in range(5):
             assert writer.write(_snapshot(completions=i)) is False
     assert sum("could not write" in r.getMessage() for r in caplog.records) == 1

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_pipeline.prompts import Prompt, PromptFileError, Reject, derive_id, iter_prompt_file
+from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, derive_id, iter_prompt_file
 
 
 def _jsonl(*rows: object) -> bytes:

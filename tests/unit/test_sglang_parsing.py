@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash_pipeline.config import Sampling
-from dflash_pipeline.sglang import (
+from dflash_pipeline.serving.sglang import (
     build_chat_body,
     classify_http_error,
     concurrency_warning,

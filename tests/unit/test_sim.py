@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import requests
 
-from dflash_pipeline.sim import (
+from dflash_pipeline.dev.sim import (
     CONTEXT_TOO_LONG_MSG,
     QUEUE_FULL_MSG,
     TOTAL_TOO_LONG_MSG,
@@ -25,7 +25,7 @@ from dflash_pipeline.sim import (
     count_prompt_tokens,
     plan_lengths,
 )
-from dflash_pipeline.sim.lengths import IM_END_TOKEN_ID
+from dflash_pipeline.dev.sim.lengths import IM_END_TOKEN_ID
 
 FAST = {"token_time_s": 0.0005, "length_scale": 0.02}
 
@@ -496,7 +496,7 @@ def test_fleet_and_cli(tmp_path: Path) -> None:
 
     urls_file = tmp_path / "urls.txt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_pipeline.sim", "--count", "2", "--base-port", "0",
+        [sys.executable, "-m", "dflash_pipeline.dev.sim", "--count", "2", "--base-port", "0",
          "--max-running-requests", "4", "--token-time-s", "0.001", "--length-scale", "0.01",
          "--reasoning-parser", "none", "--set", "error_rate=0.0",
          "--server-set", "1:slow_factor=2.0", "--urls-file", str(urls_file)],

@@ -8,15 +8,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_validate_checks import get, write_dataset  # the sibling module's dataset builder
 
 from dflash_pipeline.config import ConfigError
-from dflash_pipeline.sglang import split_reasoning
-from dflash_pipeline.sim.lengths import count_tokens, plan_lengths, render_completion
-from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
-from dflash_pipeline.tokencount import FALLBACK_CHAT_TEMPLATE, fetch_tokenizer, load_recounter
-from dflash_pipeline.validate import Thresholds, run_validation
-
-from test_validate_checks import get, write_dataset  # the sibling module's dataset builder
+from dflash_pipeline.dev.sim.lengths import count_tokens, plan_lengths, render_completion
+from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
+from dflash_pipeline.serving.sglang import split_reasoning
+from dflash_pipeline.steps.validate import Thresholds, run_validation
+from dflash_pipeline.steps.validate.tokencount import FALLBACK_CHAT_TEMPLATE, fetch_tokenizer, load_recounter
 
 PROMPT_WORDS = ("What", "is", "plus", "Explain", "step", "by")
 LAX = Thresholds(max_error_rate=1.0, max_truncation_rate=1.0, min_coverage=0.0)
@@ -157,8 +156,8 @@ def _bpe_tokenizer(path: Path) -> Path:
     """A small byte-level BPE with Qwen2's split regex, so tokens can merge across span edges ('.\\n')."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from dflash_pipeline.sim.lengths import words
-    from dflash_pipeline.sim.tokenizer import SPECIAL_TOKENS
+    from dflash_pipeline.dev.sim.lengths import words
+    from dflash_pipeline.dev.sim.tokenizer import SPECIAL_TOKENS
 
     qwen = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
     tok = Tokenizer(models.BPE())

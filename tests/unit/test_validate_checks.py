@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dflash_pipeline.histogram import Histogram
-from dflash_pipeline.layout import DatasetLayout
-from dflash_pipeline.records import encode_inputs, encode_part
-from dflash_pipeline.validate import LIST_LIMIT, Thresholds, ValidationFailed, run_validation
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import encode_inputs, encode_part
+from dflash_pipeline.steps.validate import LIST_LIMIT, Thresholds, ValidationFailed, run_validation
+from dflash_pipeline.steps.validate.histogram import Histogram
 
 LAX = Thresholds(max_error_rate=1.0, max_truncation_rate=1.0, min_coverage=0.0)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from dflash_pipeline.records import PART_COLUMNS, PART_SCHEMA
-from dflash_pipeline.validate import Validator
+from dflash_pipeline.dataset.records import PART_COLUMNS, PART_SCHEMA
+from dflash_pipeline.steps.validate import Validator
 
 
 def _part(rows: list[dict]) -> pa.Table:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_pipeline.config import ConfigError, RunConfig
-from dflash_pipeline.layout import DatasetLayout
-from dflash_pipeline.plan import update_manifest
-from dflash_pipeline.sglang import (
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerInfo,
     ServerSpec,
@@ -23,7 +23,7 @@ from dflash_pipeline.sglang import (
     new_session,
     probe_server,
 )
-from dflash_pipeline.store import Store
+from dflash_pipeline.steps.plan import update_manifest
 
 logger = logging.getLogger(__name__)
 

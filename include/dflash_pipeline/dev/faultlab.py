@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.generate import ServerLost, Worker, settings_for
-from dflash_pipeline.layout import DatasetLayout
-from dflash_pipeline.plan import run_plan
-from dflash_pipeline.preflight import run_preflight
-from dflash_pipeline.sglang import ServerSpec
-from dflash_pipeline.store import Store
-from dflash_pipeline.validate import ValidationFailed, run_validation
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.steps.generate import ServerLost, Worker, settings_for
+from dflash_pipeline.steps.plan import run_plan
+from dflash_pipeline.steps.preflight import run_preflight
+from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from sqlalchemy import select
 
-from dflash_pipeline import ui
-from dflash_pipeline.layout import DatasetLayout, UriError, chunk_of_key
-from dflash_pipeline.progress import aggregate
-from dflash_pipeline.store import Store
+from dflash_pipeline.dataset.layout import DatasetLayout, UriError, chunk_of_key
+from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.monitor import ui
+from dflash_pipeline.monitor.progress import aggregate
 
 logger = logging.getLogger(__name__)
 

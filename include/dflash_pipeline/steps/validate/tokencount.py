@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.config import ConfigError
-from dflash_pipeline.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.layout import DatasetLayout, parse_s3_uri
-from dflash_pipeline.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
-from dflash_pipeline.records import encode_inputs
-from dflash_pipeline.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
+from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
+from dflash_pipeline.dataset.records import encode_inputs
+from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 
 logger = logging.getLogger(__name__)
 

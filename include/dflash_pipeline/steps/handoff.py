@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dflash_pipeline.config import ConfigError
-from dflash_pipeline.layout import DatasetLayout
-from dflash_pipeline.store import Store, with_retries
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.store import Store, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +35,6 @@ HEADLINE_KEYS = (
 
 class HandoffError(ConfigError):
     """The asset event does not point at a usable, validated dataset."""
-
-
-def completions_asset() -> Any:
-    """The Asset (airflow.sdk imported here, so the package stays importable without Airflow)."""
-    from airflow.sdk import Asset
-
-    return Asset(name=ASSET_NAME, uri=ASSET_URI, group="dflash")
 
 
 def event_extra(report: Mapping[str, Any]) -> dict[str, Any]:

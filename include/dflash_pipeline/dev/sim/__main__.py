@@ -1,6 +1,6 @@
 """CLI: run N simulated SGLang servers until SIGINT/SIGTERM.
 
-    python -m dflash_pipeline.sim --count 4 --base-port 0 --max-running-requests 16 \\
+    python -m dflash_pipeline.dev.sim --count 4 --base-port 0 --max-running-requests 16 \\
         --token-time-s 0.001 --length-scale 0.05 --urls-file /tmp/urls.txt \\
         --set error_rate=0.01 --server-set 2:slow_factor=2.0
 
@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Any, Sequence
 
-from dflash_pipeline.sim.server import SimConfig, SimFleet, coerce_field_value
+from dflash_pipeline.dev.sim.server import SimConfig, SimFleet, coerce_field_value
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def _server_key_value(text: str) -> tuple[int, str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags for every SimConfig field plus fleet-level options."""
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.sim",
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.dev.sim",
                                      description="Simulated SGLang servers.")
     parser.add_argument("--count", type=int, default=1, help="number of servers")
     parser.add_argument("--base-port", type=int, default=0,

@@ -10,7 +10,7 @@ were wasted). A test server weaker than S3 hides nothing useful and shows proble
 so this launcher serialises object writes and deletes, which gives S3's semantics; everything
 else is stock moto. `tests/integration/test_s3server.py` races conditional PUTs to prove it.
 
-    python -m dflash_pipeline.s3server -H 127.0.0.1 -p 5055     # same flags as moto_server
+    python -m dflash_pipeline.dev.s3server -H 127.0.0.1 -p 5055     # same flags as moto_server
 """
 
 from __future__ import annotations

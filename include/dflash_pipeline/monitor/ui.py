@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
-from dflash_pipeline.progress import format_duration
+from dflash_pipeline.monitor.progress import format_duration
 
 TERMINAL = frozenset({"success", "failed"})
 _PALETTE = ("#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d", "#4d7c0f")

@@ -47,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.sim import lengths
+from dflash_pipeline.dev.sim import lengths
 
 logger = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ Why: client code (dispatch, retries, resume, validation) must be tested against 
 wire behaviour -- continuous batching, queue-full 503s, context-length 400s, reasoning split,
 crashes that reset connections -- without GPUs.  Stdlib only, so it starts in milliseconds.
 
-    from dflash_pipeline.sim import SimConfig, SimServer, SimFleet
+    from dflash_pipeline.dev.sim import SimConfig, SimServer, SimFleet
     with SimServer(SimConfig(token_time_s=0.001, length_scale=0.01)) as server:
         requests.post(server.url + "/v1/chat/completions", json={...})
 """
 
 from __future__ import annotations
 
-from dflash_pipeline.sim.lengths import (
+from dflash_pipeline.dev.sim.lengths import (
     PROMPT_TOKENS_PER_MESSAGE,
     PROMPT_TOKENS_PRIMING,
     Completion,
@@ -22,7 +22,7 @@ from dflash_pipeline.sim.lengths import (
     prompt_hash,
     render_completion,
 )
-from dflash_pipeline.sim.server import (
+from dflash_pipeline.dev.sim.server import (
     CONTEXT_TOO_LONG_MSG,
     QUEUE_FULL_MSG,
     SIM_VERSION,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from dflash_pipeline.histogram import Histogram, Histogram2D
+    from dflash_pipeline.steps.validate.histogram import Histogram, Histogram2D
 
 logger = logging.getLogger(__name__)
 

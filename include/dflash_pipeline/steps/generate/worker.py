@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.config import Sampling
-from dflash_pipeline.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.records import decode_inputs, decode_part, encode_part, warm_up
-from dflash_pipeline.sglang import (
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.records import decode_inputs, decode_part, encode_part, warm_up
+from dflash_pipeline.dataset.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
+from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerSpec,
     build_chat_body,
@@ -46,7 +47,6 @@ from dflash_pipeline.sglang import (
     new_chat_client,
     new_session,
 )
-from dflash_pipeline.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ callers' prompts use), split on whitespace, with Qwen/ChatML special tokens. Eve
 whitespace-separated word is one token (unknown words become ``[UNK]``, still one token), and
 ``<think>``/``</think>``/``<|im_start|>``/``<|im_end|>`` are one token each wherever they appear.
 
-    from dflash_pipeline.sim.tokenizer import build_sim_tokenizer
+    from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
     path = build_sim_tokenizer(tmp_path / "tok")   # writes tokenizer.json + tokenizer_config.json
 """
 
@@ -17,8 +17,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from dflash_pipeline.sim.lengths import THINK_CLOSE, THINK_OPEN, VOCAB
-from dflash_pipeline.tokencount import FALLBACK_CHAT_TEMPLATE
+from dflash_pipeline.dev.sim.lengths import THINK_CLOSE, THINK_OPEN, VOCAB
+from dflash_pipeline.steps.validate.tokencount import FALLBACK_CHAT_TEMPLATE
 
 UNK = "[UNK]"
 IM_START = "<|im_start|>"
