@@ -177,6 +177,16 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "work is released to the other servers and its task fails (Airflow retries it later).",
         "section": SECTION_RUN,
     },
+    "server_handoff_after_s": {
+        "type": "number",
+        "default": 5,
+        "minimum": 1,
+        "maximum": 3600,
+        "description": "A server that has failed every request for this long hands its unfinished "
+        "chunks (finished rows saved) to the other servers at once, and goes on probing /health; "
+        "it takes new work again when it recovers, or fails after server_lost_after_s.",
+        "section": SECTION_RUN,
+    },
     "claim_lease_s": {
         "type": "number",
         "default": 180,
@@ -261,6 +271,7 @@ class RunConfig:
     max_attempts: int = 5
     retry_failed_rows: str = "transient"
     server_lost_after_s: float = 120.0
+    server_handoff_after_s: float = 5.0
     claim_lease_s: float = 180.0
     min_coverage: float = 1.0
     max_error_rate: float = 0.01
@@ -323,6 +334,7 @@ class RunConfig:
             max_attempts=int(get("max_attempts")),
             retry_failed_rows=str(get("retry_failed_rows")),
             server_lost_after_s=float(get("server_lost_after_s")),
+            server_handoff_after_s=float(get("server_handoff_after_s")),
             claim_lease_s=float(get("claim_lease_s")),
             min_coverage=float(get("min_coverage")),
             max_error_rate=float(get("max_error_rate")),

@@ -22,6 +22,7 @@ import pytest
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.steps.generate.chunks import State
 from dflash_pipeline.dataset.store import PreconditionFailed, Store
 from dflash_pipeline.serving.sglang import ServerSpec
 from dflash_pipeline.steps.generate import ServerLost, Worker, WorkerSettings
@@ -104,7 +105,7 @@ class Run:
         return [o.key for o in self.store.list(self.layout.claims_prefix)]
 
     def committed(self) -> set[int]:
-        return {c for o in self.store.list(self.layout.completions_prefix) if (c := chunk_of_key(o.key)) is not None}
+        return {c for o in self.store.list(self.layout.completions_prefix) if (c := chunk_of_key(o.key, self.layout.completions_prefix)) is not None}
 
 
 def _generation_requests(fleet: Any) -> int:
@@ -251,7 +252,7 @@ def test_killed_worker_chunks_are_taken_over_after_the_lease(
         if child.poll() is None:
             child.kill()
     done_by_child = run.committed()
-    stale = [k for k in run.claims_left() if chunk_of_key(k) not in done_by_child]
+    stale = [k for k in run.claims_left() if chunk_of_key(k, run.layout.claims_prefix) not in done_by_child]
     assert stale, "the killed worker left no claim behind; the test did not test anything"
 
     survivor = run.worker(1, lease_s=2.0)
@@ -276,7 +277,7 @@ def test_retried_map_index_takes_back_its_own_claims_at_once(s3_client: Any, buc
     other = run.worker(1, lease_s=600.0)
     first = other._try_claim()
     assert first is not None and first.index == 3
-    other._release(first.index)
+    assert other.leases.move(first.lease, State.RELEASED, "main") and other.chunks.release(first.lease, 10.0)
 
     # ... the same map index in its next try takes them back at once (a 10-minute lease would time out).
     retry = run.worker(0, lease_s=600.0, try_number=2)

@@ -57,8 +57,14 @@ def test_layout_keys_are_deterministic() -> None:
     assert lay.part_key(7) == "ds/v1/completions/part-000007.parquet"
     assert lay.claim_key(7) == "ds/v1/claims/chunk-000007.json"
     assert lay.input_key("abc", 7) == "ds/v1/inputs/abc/chunk-000007.parquet"
-    assert chunk_of_key(lay.part_key(123)) == 123
-    assert chunk_of_key("ds/v1/completions/readme.txt") is None
+    assert chunk_of_key(lay.part_key(123), lay.completions_prefix) == 123
+    assert chunk_of_key(lay.claim_key(5), lay.claims_prefix) == 5
+    assert chunk_of_key("ds/v1/completions/readme.txt", lay.completions_prefix) is None
+    # Anchored: a part in a sub-folder, a backup copy or another prefix is not a chunk.
+    assert chunk_of_key("ds/v1/completions/old/part-000003.parquet", lay.completions_prefix) is None
+    assert chunk_of_key("ds/v1/completions/part-000003.parquet.bak", lay.completions_prefix) is None
+    assert chunk_of_key("ds/v1/completions/xpart-000003.parquet", lay.completions_prefix) is None
+    assert chunk_of_key(lay.part_key(3), lay.claims_prefix) is None
 
 
 @pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3://bucket", "s3://bucket/a//b", "s3://bucket/a/./b", "http://x/y"])

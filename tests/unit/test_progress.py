@@ -238,7 +238,7 @@ def test_worker_snapshot_separates_done_from_submitted() -> None:
     worker = Worker(None, DatasetLayout("b", "ds"), {"chunks": {"sizes": [4, 4, 2]}, "plan_id": "p"},  # type: ignore[arg-type]
                     settings, on_progress=got.append)
     worker._done_cache = {0}
-    chunk = OpenChunk(1, '"e"', [{"id": str(i)} for i in range(4)], results={"0": {}, "1": {}})
+    chunk = OpenChunk(1, None, [{"id": str(i)} for i in range(4)], results={"0": {}, "1": {}})
     worker.open[1] = chunk
     worker.in_flight = 2
     worker.stats.completions, worker.stats.output_tokens = 2, 300

@@ -328,7 +328,14 @@ def test_injected_faults_are_reproducible(make_server: Callable[..., SimServer])
     with pytest.raises(requests.ConnectionError):
         _chat(server.url)
     assert time.monotonic() - started >= 0.25
-    assert server.stats()["faults"] == {"error": 1, "unavailable": 1, "hang": 1, "reset": 1}
+    server.update_config(hang_rate=0.0, abort_rate=1.0)
+    resp = _chat(server.url)
+    # SGLang's abort shape: HTTP 200, finish_reason "abort", the partial text so far.
+    assert resp.status_code == 200
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["matched_stop"] is None
+    assert server.stats()["faults"] == {"error": 1, "unavailable": 1, "hang": 1, "reset": 1, "abort": 1}
+    server.update_config(abort_rate=0.0)
 
     def codes(target: SimServer) -> list[int]:
         return [_chat(target.url).status_code for _ in range(16)]

@@ -135,10 +135,14 @@ class DatasetLayout:
         return self.run_key(run_id, f"progress/{worker}.json")
 
 
-_INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|json)$")
+_INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|json)")
 
 
-def chunk_of_key(key: str) -> int | None:
-    """The chunk index a part/claim/input key names, or None for anything else."""
-    m = _INDEXED_RE.search(key)
+def chunk_of_key(key: str, prefix: str) -> int | None:
+    """The chunk index of a part/claim/input key directly under `prefix`, or None for anything else.
+
+    Anchored: `completions/old/part-000003.parquet` or `completions/part-3.parquet.bak` is not chunk 3."""
+    if not key.startswith(prefix):
+        return None
+    m = _INDEXED_RE.fullmatch(key[len(prefix):])
     return int(m.group(1)) if m else None

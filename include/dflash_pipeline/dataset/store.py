@@ -23,7 +23,19 @@ T = TypeVar("T")
 
 
 class PreconditionFailed(Exception):
-    """A conditional write lost: the key exists (If-None-Match) or changed (If-Match)."""
+    """A conditional write lost: the key exists (If-None-Match) or changed (If-Match).
+
+    `retried` is true when botocore had re-sent the request: the first send may have succeeded
+    and this 412 may be about our own write, so the caller must look (HEAD) before concluding.
+    """
+
+    def __init__(self, message: str = "", *, retried: bool = False) -> None:
+        super().__init__(message)
+        self.retried = retried
+
+
+class KeyGone(PreconditionFailed):
+    """A conditional write or delete on a key that no longer exists (404 NoSuchKey on AWS and moto)."""
 
 
 class StoreConfigError(Exception):
@@ -34,26 +46,38 @@ class StoreUnavailable(Exception):
     """The S3 endpoint did not answer (connection, 5xx, throttling): worth retrying."""
 
 
+class ConditionalConflict(StoreUnavailable):
+    """409 ConditionalRequestConflict: a concurrent conditional write was in progress. AWS says
+    retry, so it is a StoreUnavailable (with_retries retries it), never a lost race."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
     etag: str
     size: int
     last_modified: datetime
+    metadata: dict[str, str] | None = None
 
 
 _CONFIG_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 
 
-def _translate(exc: Exception) -> Exception:
-    """Map botocore errors onto the three outcomes callers act on."""
+def _translate(exc: Exception, conditional: bool = False) -> Exception:
+    """Map botocore errors onto the outcomes callers act on (see the chunk protocol's table)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-            return PreconditionFailed(code or str(status))
+        meta = exc.response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode", 0)
+        retried = int(meta.get("RetryAttempts", 0) or 0) > 0
+        if code == "ConditionalRequestConflict" or status == 409:
+            return ConditionalConflict(f"S3 {code or status}: concurrent conditional write; retry")
+        if code == "PreconditionFailed" or status == 412:
+            return PreconditionFailed(code or str(status), retried=retried)
+        if conditional and (code in ("NoSuchKey", "404") or status == 404):
+            return KeyGone(f"{code or status}: the key no longer exists", retried=retried)
         if code in _CONFIG_CODES or status in (401, 403):
             return StoreConfigError(f"S3 refused the request: {code} (HTTP {status})")
         if status >= 500 or code in ("SlowDown", "RequestTimeout", "Throttling", "ServiceUnavailable"):
@@ -77,7 +101,7 @@ class Store:
         try:
             resp = fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:  # noqa: BLE001 - translated below
-            translated = _translate(exc)
+            translated = _translate(exc, conditional="IfMatch" in kwargs)
             if translated is exc:
                 raise
             raise translated from exc
@@ -121,7 +145,9 @@ class Store:
             ).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
-        return ObjectInfo(key, resp["ETag"], int(resp["ContentLength"]), resp["LastModified"])
+        return ObjectInfo(
+            key, resp["ETag"], int(resp["ContentLength"]), resp["LastModified"], dict(resp.get("Metadata") or {})
+        )
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Keys under `prefix` in key order, optionally only those after `start_after`."""
@@ -148,17 +174,29 @@ class Store:
         if_none_match: bool = False,
         if_match: str | None = None,
         content_type: str = "application/octet-stream",
+        metadata: dict[str, str] | None = None,
     ) -> str:
-        """Write `data`; with if_none_match only if the key is absent, with if_match only if unchanged."""
+        """Write `data`; with if_none_match only if the key is absent, with if_match only if unchanged.
+
+        `metadata` (x-amz-meta-*) lets a writer recognise its own object with one HEAD when the
+        answer to a conditional write was lost."""
         kwargs: dict[str, Any] = {"Key": key, "Body": data, "ContentType": content_type}
+        if metadata:
+            kwargs["Metadata"] = metadata
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
         if if_match is not None:
             kwargs["IfMatch"] = if_match
         return str(self._call(self.client.put_object, **kwargs)["ETag"])
 
-    def delete(self, key: str) -> None:
-        self._call(self.client.delete_object, Key=key)
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        """Delete `key`; with if_match only if it is still the object we wrote (a claim we hold).
+
+        Raises KeyGone when a conditional delete finds no key, PreconditionFailed when it changed."""
+        kwargs: dict[str, Any] = {"Key": key}
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        self._call(self.client.delete_object, **kwargs)
 
     def check_bucket(self) -> None:
         """Fail fast with a clear message when the bucket is missing or not ours."""

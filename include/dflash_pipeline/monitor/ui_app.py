@@ -90,7 +90,7 @@ def collect(store: Store, layout: DatasetLayout, run_id: str, *, run_started_at:
     if manifest is not None:
         committed: dict[int, float] = {}
         for obj in store.list(layout.completions_prefix):
-            c = chunk_of_key(obj.key)
+            c = chunk_of_key(obj.key, layout.completions_prefix)
             if c is not None:
                 committed[c] = obj.last_modified.timestamp()
         out["progress"] = aggregate(manifest, committed, docs, now=now, run_started_at=run_started_at,

@@ -162,7 +162,16 @@ class Completion:
 
 
 def parse_chat_response(data: Any) -> Completion:
-    """Parse SGLang's /v1/chat/completions body; a malformed one raises a transient failure."""
+    """Parse SGLang's /v1/chat/completions body; a malformed one raises a transient failure.
+
+    An error object sent with HTTP 200 (`{"object": "error", "code": 400, ...}`, which SGLang's
+    OpenAI layer can return) is classified by its own code, not retried as a bad shape."""
+    if isinstance(data, dict) and data.get("object") == "error":
+        try:
+            code = int(data.get("code") or 500)
+        except (TypeError, ValueError):
+            code = 500
+        raise classify_http_error(code, json.dumps(data))
     try:
         choice = data["choices"][0]
         message = choice["message"] or {}

@@ -122,6 +122,9 @@ class SimConfig:
     hang_s: float = 3600.0
     reset_rate: float = 0.0
     """Share whose TCP connection is closed with SO_LINGER 0 (the client sees a reset)."""
+    abort_rate: float = 0.0
+    """Share aborted mid-generation the way SGLang answers an `/abort_request` or a scheduler
+    abort without a status code: HTTP 200, `finish_reason: "abort"`, the partial text so far."""
     crash_after_requests: int | None = None
     """Crash when the N-th generation request since (re)start arrives; that request, everything
     in flight or queued, and idle keep-alive connections are reset, and the port stops
@@ -156,12 +159,12 @@ def validate_config(config: SimConfig) -> None:
                  "startup_delay_s", "hang_s"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} must be >= 0")
-    rates = ("error_rate", "unavailable_rate", "hang_rate", "reset_rate")
+    rates = ("error_rate", "unavailable_rate", "hang_rate", "reset_rate", "abort_rate")
     for name in rates:
         if not 0.0 <= getattr(config, name) <= 1.0:
             raise ValueError(f"{name} must be within [0, 1]")
     if sum(getattr(config, name) for name in rates) > 1.0 + 1e-9:
-        raise ValueError("error_rate + unavailable_rate + hang_rate + reset_rate must be <= 1")
+        raise ValueError("error_rate + unavailable_rate + hang_rate + reset_rate + abort_rate must be <= 1")
 
 
 def derive_config(base: SimConfig, **changes: Any) -> SimConfig:
@@ -240,7 +243,7 @@ def _zero_stats() -> dict[str, Any]:
         "health_generate_requests": 0,
         "completed": 0,
         "errors_by_code": {},
-        "faults": {"error": 0, "unavailable": 0, "hang": 0, "reset": 0},
+        "faults": {"error": 0, "unavailable": 0, "hang": 0, "reset": 0, "abort": 0},
         "rejected_queue_full": 0,
         "aborted": 0,
         "output_tokens": 0,
@@ -765,6 +768,11 @@ class _Handler(BaseHTTPRequestHandler):
         parser_on = config.reasoning_parser is not None and separate_reasoning
         completion = lengths.render_completion(plan, max_tokens=cap,
                                                separate_reasoning=parser_on)
+        if fault == "abort":
+            # Cut halfway, answered 200 with finish_reason "abort" (SGLang's abort shape).
+            partial = lengths.render_completion(plan, max_tokens=max(1, completion.completion_tokens // 2),
+                                                separate_reasoning=parser_on)
+            completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
         job = _Job("chat", completion.completion_tokens, prompt_tokens, time.monotonic())
         if not sim._sched.submit(job, self.server.dead):
             self._error(503, QUEUE_FULL_MSG, "ServiceUnavailableError")
@@ -1078,7 +1086,8 @@ class SimServer:
             edge = 0.0
             for kind, rate in (("error", config.error_rate),
                                ("unavailable", config.unavailable_rate),
-                               ("hang", config.hang_rate), ("reset", config.reset_rate)):
+                               ("hang", config.hang_rate), ("reset", config.reset_rate),
+                               ("abort", config.abort_rate)):
                 edge += rate
                 if u < edge:
                     self._sched.stats["faults"][kind] += 1

@@ -1,23 +1,34 @@
-"""The generate step: one worker drives one SGLang server and shares the chunks with the others.
+"""The generate step: one worker drives one server and shares the dataset's chunks with the others.
 
 Dispatch. `concurrency` daemon threads each hold one request; the moment one returns, the main loop
 hands it the next prompt, so the server's slots never wait for a batch to gather. Chunks are claimed
-ahead of need (whenever fewer than `concurrency` prompts are ready), so there is no barrier between
-chunks either, and a finished chunk is committed by a background thread while generation goes on.
+ahead of need by the claimer thread, so there is no barrier between chunks either, and a finished
+chunk is committed by the committer thread while generation goes on.
 
-Sharing. Work is not bound to a server. Each chunk is claimed with a conditional create of
-`claims/chunk-N.json` (If-None-Match: *), renewed every lease/4 with If-Match, and taken over by any
-worker once the lease expires (judged by the S3 server's clock, so hosts' clocks do not matter) or
-at once by the same map index in a later try. A worker whose server is lost deletes its claims so the
-others pick the work up immediately.
+Sharing and exactly once: the chunk protocol (chunks.py states each chunk's states, which thread
+owns each move, and what 412/409/404/503/lost answers mean). In short: a part is written only with
+a conditional create (or If-Match when repairing), so no id can appear twice; leases (claims renewed
+by their own thread) only keep workers from doing the same work.
 
-Exactly once. A chunk's output is one Parquet part written with If-None-Match: *. If two workers ever
-finish the same chunk (a stalled worker whose lease was taken over), the second commit is refused and
-its rows are discarded; no id can appear twice. A killed worker loses only the chunks it had not yet
-committed; everything committed is skipped by every later try and run.
+Threads and what they own:
+- main: the dispatch loop; `pending`, `in_flight`, the open chunks' `results`, OPEN/REPAIRING ->
+  QUEUED/RELEASED; the stop path (after stopping the others it owns every lease left).
+- claimer: scanning S3 and claiming; CLAIMED and the moves out of it; `_done` / `_lowest` (under
+  `_scan_lock`).
+- committer: QUEUED -> COMMITTING -> COMMITTED, markers, partial cleanup.
+- renewer (chunks.LeaseKeeper): renewals; a refused one marks the chunk dropped.
+- request threads: one request each; they only read their chunk's `dropped` flag.
 
-Memory is bounded by the open chunks (at most about `concurrency + save_every` prompts and their
-results), never by the size of the prompt set.
+Failure handling. A failed request is a row (outcomes.py). A server that fails everything for
+`handoff_after_s` hands its open chunks (finished rows saved as partials) to the fleet and keeps
+probing /health; it takes work again on recovery or fails with ServerLost after
+`server_lost_after_s`. A server answering nearly everything with permanent errors while the fleet
+does not (a smaller --context-length, a broken template) trips the breaker (ServerBroken) before it
+commits a dataset of error rows. `request_stop()` (SIGTERM: a task cleared/failed in the UI, an
+eviction) saves finished rows, commits complete chunks and releases claims within `stop_grace_s`.
+
+Memory and rework are bounded by `held_rows_cap` (rows claimed but not yet committed), never by
+the size of the prompt set; a SIGKILL loses at most those rows' unsaved results.
 """
 
 from __future__ import annotations
@@ -47,6 +58,17 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.steps.generate.chunks import (
+    ChunkStore,
+    CommitOutcome,
+    Lease,
+    LeaseKeeper,
+    Leases,
+    State,
+    claim_body,
+    claim_doc,
+)
+from dflash_pipeline.steps.generate.outcomes import completion_row, error_row, judge, unexpected_failure
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +84,14 @@ class ServerConfigError(Exception):
     """The server refuses us (API key, endpoint, model): a retry cannot fix it."""
 
 
+class ServerBroken(ServerConfigError):
+    """The server answers (nearly) every request with a permanent error while the fleet does not."""
+
+
+class TaskStopped(Exception):
+    """Stopped from outside (SIGTERM): finished rows were saved and claims released."""
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     run_id: str
@@ -73,6 +103,8 @@ class WorkerSettings:
     request_timeout_s: float = 300.0
     max_attempts: int = 5
     server_lost_after_s: float = 120.0
+    # A server failing everything this long hands its open chunks to the fleet (and keeps probing).
+    handoff_after_s: float = 5.0
     lease_s: float = 180.0
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 30.0
@@ -95,6 +127,15 @@ class WorkerSettings:
     scan_reuse_s: float = 1.0
     # Retry markers of earlier runs only change when a run ends; list them this often, not per claim.
     marker_scan_every_s: float = 30.0
+    # Rows claimed and not yet committed (open, queued, committing); None = 2 chunks + 4x concurrency.
+    held_rows_cap: int | None = None
+    # After request_stop(): time to commit complete chunks, save partials and release claims.
+    stop_grace_s: float = 3.0
+    # Breaker: over the last `breaker_window` results, trip at this permanent-error share alone, or
+    # at `breaker_share_vs_fleet` when the other workers' share is at most a quarter of ours.
+    breaker_window: int = 40
+    breaker_share_alone: float = 0.95
+    breaker_share_vs_fleet: float = 0.5
 
     @property
     def owner(self) -> str:
@@ -125,6 +166,7 @@ def settings_for(
         request_timeout_s=cfg.request_timeout_s,
         max_attempts=cfg.max_attempts,
         server_lost_after_s=cfg.server_lost_after_s,
+        handoff_after_s=min(float(getattr(cfg, "server_handoff_after_s", 5.0)), cfg.server_lost_after_s),
         lease_s=cfg.claim_lease_s,
         try_number=try_number,
         retry_failed_rows=cfg.retry_failed_rows,
@@ -137,13 +179,15 @@ def settings_for(
 @dataclass
 class OpenChunk:
     index: int
-    claim_etag: str
+    lease: Lease | None
     prompts: list[dict[str, Any]]
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
-    lost: bool = False
+    # Set (by main or the renewer) once the chunk is no longer ours to work on; request threads read it.
+    dropped: bool = False
     # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
     base_rows: list[dict[str, Any]] | None = None
     part_etag: str | None = None
+    marker_runs: list[str] = field(default_factory=list)
     # Prompts still to send (all of them unless rows were reused from a partial).
     todo: list[dict[str, Any]] | None = None
 
@@ -153,6 +197,10 @@ class OpenChunk:
     @property
     def complete(self) -> bool:
         return len(self.results) == len(self.prompts)
+
+    @property
+    def lost(self) -> bool:
+        return self.dropped
 
 
 @dataclass
@@ -171,6 +219,7 @@ class _Outcome:
 class WorkerStats:
     completions: int = 0
     errors: int = 0
+    permanent_errors: int = 0
     errors_by_class: dict[str, int] = field(default_factory=dict)
     output_tokens: int = 0
     chunks_committed: int = 0
@@ -180,6 +229,7 @@ class WorkerStats:
     rows_discarded: int = 0
     requests_sent: int = 0
     requests_requeued: int = 0
+    handoffs: int = 0
     started_t: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,6 +296,7 @@ class Worker:
         session_factory: Callable[[], Any] = new_chat_client,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        s = settings
         self.store = store
         self.layout = layout
         self.settings = settings
@@ -255,6 +306,15 @@ class Worker:
         self.session_factory = session_factory
         self.on_progress = on_progress
         self.stats = WorkerStats()
+        self._stat_lock = threading.Lock()
+        self.leases = Leases()
+        self.chunks = ChunkStore(
+            store, layout.claim_key,
+            claim_body(s.owner, s.worker, s.server.name, s.run_id, s.try_number),
+            store_deadline_s=s.store_deadline_s,
+        )
+        self.keeper = LeaseKeeper(self.leases, self.chunks, s.lease_s, on_lost=self._on_lost)
+        # Open chunks by index (main adds and removes; the renewer only flags `dropped`).
         self.open: dict[int, OpenChunk] = {}
         self._open_lock = threading.Lock()
         self.pending: deque[tuple[OpenChunk, dict[str, Any]]] = deque()
@@ -267,9 +327,8 @@ class Worker:
         self._last_success_t = 0.0
         self._suspect_since: float | None = None
         self._own_stale: set[int] | None = None
+        # Chunks whose part was seen in S3 (a listing, our commit, a HEAD): never a local guess.
         self._done_cache: set[int] = set()
-        # Chunks we hold a claim on, from the claim to its release (open, queued or committing).
-        self._ours: set[int] = set()
         self._ours_ever = False
         self._tok_window: deque[tuple[float, int]] = deque()
         self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -282,91 +341,93 @@ class Worker:
         self._claimer_idle = threading.Event()
         self._claimer_stop = threading.Event()
         self._claim_error: BaseException | None = None
+        # Claims whose chunk could not be loaded yet (S3 unavailable): kept, renewed, retried.
+        self._unopened: deque[tuple[Lease, bool]] = deque()
         self._done_times: deque[float] = deque()
         self._claim_latency_s = 0.0
         self._last_scan: tuple[float, tuple[set[int], dict[int, ObjectInfo], set[int]]] | None = None
-        # The plan's last stretch has chunks smaller than the rest (guided self-scheduling). Once
-        # we hold one, we claim only as far ahead as a claim takes: work held by one worker at
-        # the end cannot move to an idle server.
         self._full_chunk = max(self.sizes, default=0)
         self._in_tail = False
         self._repair_cache: tuple[float, set[int]] | None = None
+        self._stop_requested = threading.Event()
+        self._recent_permanent: deque[bool] = deque(maxlen=s.breaker_window)
+        self._breaker_checked_t = 0.0
+        self._last_permanent: str = ""
         self._io = ThreadPoolExecutor(3, thread_name_prefix="s3io")
         warm_up()
 
+    @property
+    def held_rows_cap(self) -> int:
+        s = self.settings
+        return s.held_rows_cap if s.held_rows_cap is not None else 2 * self._full_chunk + 4 * s.concurrency
+
+    def request_stop(self) -> None:
+        """Ask the worker to stop (from a signal handler): it saves, commits and releases, then
+        raises TaskStopped from run()."""
+        self._stop_requested.set()
+        self._claimer_stop.set()
+        self._claimer_wake.set()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stat_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
+        """Never raises: whatever happens becomes this row's outcome (a failed request is a row)."""
         chunk, prompt = item
         s = self.settings
-        body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
         out = _Outcome(chunk, prompt)
-        for attempt in range(1, s.max_attempts + 1):
-            out.attempts = attempt
-            if chunk.lost:
-                return out
-            try:
-                completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
-                out.done_t = time.monotonic()
-            except RequestFailure as exc:
-                out.failure = exc
-                out.last_failure_t = time.monotonic()
-                if out.first_failure_t is None:
-                    out.first_failure_t = out.last_failure_t
-                if not exc.transient or attempt == s.max_attempts:
+        try:
+            body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
+            for attempt in range(1, s.max_attempts + 1):
+                out.attempts = attempt
+                if chunk.dropped or self._stop_requested.is_set():
                     return out
-                delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                time.sleep(delay)
-                continue
-            out.failure = None
-            out.row = {
-                "id": prompt["id"],
-                "messages": prompt["messages"],
-                "reasoning": completion.reasoning,
-                "content": completion.content,
-                "finish_reason": completion.finish_reason,
-                "matched_stop": completion.matched_stop,
-                "prompt_tokens": completion.prompt_tokens,
-                "completion_tokens": completion.completion_tokens,
-                "reasoning_tokens": completion.reasoning_tokens,
-                "model": completion.model or s.model,
-                "server": s.server.name,
-                "attempts": attempt,
-                "latency_s": round(latency, 4),
-                "chunk": chunk.index,
-                "run_id": s.run_id,
-            }
-            return out
+                try:
+                    completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
+                    out.done_t = time.monotonic()
+                    completion = judge(completion, s.sampling)
+                except RequestFailure as exc:
+                    out.failure = exc
+                    out.last_failure_t = time.monotonic()
+                    if out.first_failure_t is None:
+                        out.first_failure_t = out.last_failure_t
+                    if not exc.transient or attempt == s.max_attempts:
+                        return out
+                    delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                    time.sleep(delay)
+                    continue
+                out.failure = None
+                out.row = completion_row(
+                    prompt, completion, model=s.model, server=s.server.name, attempts=attempt,
+                    latency_s=latency, chunk=chunk.index, run_id=s.run_id,
+                )
+                return out
+        except Exception as exc:  # noqa: BLE001 - one row's failure, never the task's
+            logger.warning("request for %s failed unexpectedly: %r", prompt.get("id"), exc)
+            out.row = None
+            out.failure = unexpected_failure(exc)
+            out.last_failure_t = time.monotonic()
         return out
 
     def _error_row(self, out: _Outcome) -> dict[str, Any]:
-        f = out.failure
-        assert f is not None
-        return {
-            "id": out.prompt["id"],
-            "messages": out.prompt["messages"],
-            "model": self.settings.model,
-            "server": self.settings.server.name,
-            "attempts": out.attempts,
-            "error_class": f.error_class,
-            "error_message": f.message,
-            "retryable": f.transient,
-            "chunk": out.chunk.index,
-            "run_id": self.settings.run_id,
-        }
+        assert out.failure is not None
+        s = self.settings
+        return error_row(out.prompt, out.failure, model=s.model, server=s.server.name, attempts=out.attempts,
+                         chunk=out.chunk.index, run_id=s.run_id)
 
-    # -- claims --------------------------------------------------------------------------------
+    # -- scanning (claimer thread, and main's _all_done) -----------------------------------------
     def _scan(self, fresh_markers: bool = False) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
-        """(committed chunks, live or stale claims of unfinished chunks, chunks to repair).
-
-        The two listings run at once (a claim waits for the slower, not for both in a row).
-        """
+        """(committed chunks, claims of chunks, chunks to repair). The two listings run at once."""
         claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
+        prefix = self.layout.completions_prefix
         with self._scan_lock:
             done = set(self._done_cache)
             low = self._lowest_unfinished
             after = self.layout.part_key(low - 1) if low > 0 else None
-            for obj in self.store.list(self.layout.completions_prefix, start_after=after):
-                c = chunk_of_key(obj.key)
+            for obj in self.store.list(prefix, start_after=after):
+                c = chunk_of_key(obj.key, prefix)
                 if c is not None:
                     done.add(c)
             while low < self.n_chunks and low in done:
@@ -375,79 +436,82 @@ class Worker:
             self._done_cache = done
         claims: dict[int, ObjectInfo] = {}
         for obj in claims_f.result():
-            c = chunk_of_key(obj.key)
+            c = chunk_of_key(obj.key, self.layout.claims_prefix)
             if c is not None:
                 claims[c] = obj
         return done, claims, self._repairs(done, fresh_markers)
 
+    def _mark_done(self, c: int) -> None:
+        with self._scan_lock:
+            self._done_cache.add(c)
+
     def _repairs(self, done: set[int], fresh: bool) -> set[int]:
-        """Committed chunks whose retry marker (left by an earlier run) asks for a repair."""
+        """Committed chunks whose retry marker asks this run for a repair."""
         if self.settings.retry_failed_rows == "none":
             return set()
         now = time.monotonic()
         cached = self._repair_cache
         if fresh or cached is None or now - cached[0] >= self.settings.marker_scan_every_s:
             wanted: set[int] = set()
-            for obj in self.store.list(self.layout.retry_prefix):
-                c = chunk_of_key(obj.key)
+            prefix = self.layout.retry_prefix
+            for obj in self.store.list(prefix):
+                c = chunk_of_key(obj.key, prefix)
                 if c is not None and self._marker_wants_repair(obj):
                     wanted.add(c)
             cached = self._repair_cache = (now, wanted)
         return {c for c in cached[1] if c in done}
 
-    def _marker_wants_repair(self, obj: ObjectInfo) -> bool:
-        """A marker left by an earlier run (never our own: one repair per chunk per run)."""
+    def _marker_body(self, obj: ObjectInfo) -> dict[str, Any] | None:
         cached = self._markers.get(obj.key)
         if cached is None or cached[0] != obj.etag:
             got = self.store.get(obj.key)
             if got is None:
-                return False
-            try:
-                body = json.loads(got[0])
-            except ValueError:
-                return False
-            cached = (obj.etag, body)
+                return None
+            body = claim_doc(got[0])
+            cached = (got[1], body)
             self._markers[obj.key] = cached
-        body = cached[1]
-        if body.get("run_id") == self.settings.run_id:
+        return cached[1]
+
+    @staticmethod
+    def _marker_runs(body: dict[str, Any]) -> list[str]:
+        runs = body.get("runs")
+        if isinstance(runs, list):
+            return [str(r) for r in runs]
+        return [str(body["run_id"])] if body.get("run_id") else []
+
+    def _marker_wants_repair(self, obj: ObjectInfo) -> bool:
+        """A marker no run of ours has produced or repaired yet: each run touches a chunk's error
+        rows at most once, so two runs on one root never repair each other's rows back and forth."""
+        body = self._marker_body(obj)
+        if body is None or self.settings.run_id in self._marker_runs(body):
             return False
         if self.settings.retry_failed_rows == "all":
             return int(body.get("retryable", 0)) + int(body.get("permanent", 0)) > 0
         return int(body.get("retryable", 0)) > 0
 
     def _wants_redo(self, row: dict[str, Any]) -> bool:
-        if not row.get("error_class"):
+        if not row.get("error_class") or row.get("run_id") == self.settings.run_id:
             return False
         return self.settings.retry_failed_rows == "all" or bool(row.get("retryable"))
-
-    def _claim_body(self) -> bytes:
-        s = self.settings
-        return json.dumps(
-            {"owner": s.owner, "worker": s.worker, "server": s.server.name, "run_id": s.run_id, "try": s.try_number}
-        ).encode()
 
     def _find_own_stale(self, claims: dict[int, ObjectInfo]) -> set[int]:
         """Chunks a previous try of this same worker claimed: ours to take back without waiting."""
         own: set[int] = set()
         for c in claims:
             got = self.store.get(self.layout.claim_key(c))
-            if got is None:
-                continue
-            try:
-                if json.loads(got[0]).get("owner") == self.settings.owner:
-                    own.add(c)
-            except ValueError:
-                continue
+            if got is not None and claim_doc(got[0]).get("owner") == self.settings.owner:
+                own.add(c)
         if own:
             logger.info("taking back %d chunk(s) claimed by an earlier try of this task: %s", len(own), sorted(own))
         return own
 
+    # -- claimer thread ------------------------------------------------------------------------
     def _try_claim(self) -> OpenChunk | None:
         """Claim one chunk: from the last listing if it is recent, else (or if that finds none) a new one.
 
         A listing up to `scan_reuse_s` old is safe to claim from: every claim is a conditional write
         and a chunk is checked for a committed part after it is claimed, so a stale entry costs one
-        refused request, never a duplicate. It halves the round trips of a claim.
+        refused request, never a duplicate.
         """
         cached = self._last_scan
         if cached is not None and time.monotonic() - cached[0] < self.settings.scan_reuse_s:
@@ -472,43 +536,30 @@ class Worker:
         now = self.store.server_time()
 
         def held(c: int) -> bool:
-            info = claims.get(c)
-            if c in self._ours:
+            if self.leases.held(c):
                 return True
+            info = claims.get(c)
             if info is None or c in self._own_stale:
                 return False
             return (now - info.last_modified).total_seconds() <= self.settings.lease_s
 
-        free = [c for c in range(self.n_chunks) if c not in done and c not in self._done_cache and not held(c)]
+        free = [c for c in range(self.n_chunks) if c not in done and not held(c)]
         # Plan order (the plan's shrinking tail stays last), except where workers claim at the same
-        # moment: all of them at the start, and often at the end, where chunks are small. Walking
-        # the same list they would queue up behind each other's refusals, a round trip each. So the
-        # first claim starts at the worker's own place among the first few free chunks, and after
-        # a refusal each jumps to its own place among the next few. (Not always its own place: the
-        # first free chunk would be left to one worker, which, if slow, gets to a big chunk late.)
+        # moment: the first claim starts at the worker's own place among the first few free chunks,
+        # and after a refusal each jumps to its own place among the next few.
         w = max(1, self.settings.n_workers)
         if not self._ours_ever:
             free = _rotate(free, w, self.settings.map_index)
         candidates = deque([*free, *sorted(c for c in repair if not held(c))])
         refused = False
-        while candidates:
+        while candidates and not self._claimer_stop.is_set():
             c = candidates.popleft()
             info = claims.get(c)
-            body = self._claim_body()
-            key = self.layout.claim_key(c)
             try:
-                if info is None:
-                    etag = self.store.put(key, body, if_none_match=True, content_type="application/json")
-                else:
-                    # Not held (see `held`): our own earlier try's claim, or an expired lease.
-                    mine = c in self._own_stale
-                    etag = self.store.put(key, body, if_match=info.etag, content_type="application/json")
-                    self._own_stale.discard(c)
-                    if not mine:
-                        self.stats.chunks_taken_over += 1
-                        age = (now - info.last_modified).total_seconds()
-                        logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
+                lease = self.chunks.claim(c, info)
             except PreconditionFailed:
+                lease = None  # KeyGone on a take-over: the claim was released meanwhile
+            if lease is None:
                 if stale:
                     self._last_scan = None
                     return None
@@ -516,42 +567,65 @@ class Worker:
                     refused = True
                     candidates = deque(_rotate(list(candidates), w, self.settings.map_index))
                 continue
-            self._ours.add(c)
+            if info is not None:
+                mine = c in self._own_stale
+                self._own_stale.discard(c)
+                if not mine:
+                    self._count("chunks_taken_over")
+                    age = (now - info.last_modified).total_seconds()
+                    logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
+            self.leases.add(lease)
             self._ours_ever = True
-            chunk = self._open_claimed(c, etag, repairing=c in repair)
-            if chunk is not None:
-                return chunk
+            return self._open_or_park(lease, repairing=c in repair)
         return None
 
-    def _open_claimed(self, c: int, etag: str, repairing: bool) -> OpenChunk | None:
+    def _open_or_park(self, lease: Lease, repairing: bool) -> OpenChunk | None:
+        """Load a claimed chunk; if S3 is unavailable, keep the claim (renewed) and retry later."""
+        try:
+            return self._open_claimed(lease, repairing)
+        except StoreUnavailable as exc:
+            logger.warning("chunk %d: could not load it yet (%s); keeping the claim and retrying", lease.chunk, exc)
+            self._unopened.append((lease, repairing))
+            return None
+
+    def _release_claimed(self, lease: Lease) -> None:
+        if self.leases.move(lease, State.RELEASED, "claimer"):
+            self.chunks.release(lease, deadline_s=60)
+
+    def _open_claimed(self, lease: Lease, repairing: bool) -> OpenChunk | None:
         """Load the work of a chunk we now hold, or let go if someone finished it meanwhile."""
+        c = lease.chunk
         if repairing:
             got = self.store.get(self.layout.part_key(c))
             marker = self.store.head(self.layout.retry_key(c))
-            # The marker is re-read: the listing may be up to marker_scan_every_s old, and a chunk
-            # already repaired by this run (its marker now names this run) is not repaired again.
+            # The marker is re-read: the listing may be up to marker_scan_every_s old.
             if got is None or marker is None or not self._marker_wants_repair(marker):
-                self._release(c)
+                self._release_claimed(lease)
                 return None
             rows = decode_part(got[0]).to_pylist()
             redo = [{"id": r["id"], "messages": r["messages"]} for r in rows if self._wants_redo(r)]
+            body = self._marker_body(marker) or {}
             if not redo:
-                self._release(c)
+                self._settle_marker(c, marker, rows, body)
+                self._release_claimed(lease)
+                return None
+            chunk = OpenChunk(c, lease, redo, base_rows=rows, part_etag=got[1], marker_runs=self._marker_runs(body))
+            if not self.leases.move(lease, State.REPAIRING, "claimer"):
                 return None
             logger.info("repairing chunk %d: %d failed row(s) from an earlier run", c, len(redo))
-            return OpenChunk(c, etag, redo, base_rows=rows, part_etag=got[1])
+            return chunk
         # The chunk may have been committed between our listing and our claim. The three reads
         # are independent, so they go out at once.
         part_f = self._io.submit(self.store.head, self.layout.part_key(c))
         partial_f = self._io.submit(self.store.get, self.layout.partial_key(c))
         got = self.store.get(self.layout.input_key(self.plan_id, c))
         if part_f.result() is not None:
-            self._done_cache.add(c)
-            self._release(c)
+            self._mark_done(c)
+            self._release_claimed(lease)
             return None
         if got is None:
             raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
-        chunk = OpenChunk(c, etag, decode_inputs(got[0]))
+        chunk = OpenChunk(c, lease, decode_inputs(got[0]))
         partial = partial_f.result()
         if partial is not None:
             ids = {p["id"] for p in chunk.prompts}
@@ -560,14 +634,109 @@ class Worker:
                     chunk.results[row["id"]] = row
             chunk.todo = [p for p in chunk.prompts if p["id"] not in chunk.results]
             logger.info("chunk %d: %d row(s) saved by a worker that gave up are reused", c, len(chunk.results))
+        if not self.leases.move(lease, State.OPEN, "claimer"):
+            return None
         return chunk
 
-    def _release(self, c: int) -> None:
-        self._ours.discard(c)
+    def _settle_marker(self, c: int, marker: ObjectInfo, rows: list[dict[str, Any]], body: dict[str, Any]) -> None:
+        """A marker that asks for a repair with nothing to redo (a task killed between a repair's
+        part PUT and its marker update, or rows this run made) is rewritten from the part's rows,
+        or deleted when it has none: otherwise every later task would poll it forever. If-Match: a
+        marker changed meanwhile is left to its writer."""
+        retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
+        permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
+        key = self.layout.retry_key(c)
         try:
-            self.store.delete(self.layout.claim_key(c))
-        except Exception as exc:  # noqa: BLE001 - best effort; the lease expires anyway
-            logger.warning("could not release claim of chunk %d: %s", c, exc)
+            if retryable or permanent:
+                runs = [*self._marker_runs(body), self.settings.run_id]
+                new = json.dumps({"runs": runs, "run_id": self.settings.run_id,
+                                  "retryable": retryable, "permanent": permanent}).encode()
+                self.store.put(key, new, if_match=marker.etag, content_type="application/json")
+            else:
+                self.store.delete(key, if_match=marker.etag)
+            logger.info("chunk %d: retry marker had nothing for this run to redo; settled", c)
+        except PreconditionFailed:
+            pass
+        self._repair_cache = None
+
+    def _claim_wanted(self) -> bool:
+        """Claim while the prompts ready to send cover less than the time a claim takes (with margin),
+        and while the rows we hold stay under the cap."""
+        if self._suspect_since is not None or self._stop_requested.is_set():
+            return False
+        ready = len(self.pending) + self._claimed_prompts
+        ahead_s = 3.0 * self._claim_latency_s
+        if not self._in_tail:
+            ahead_s = max(self.settings.claim_ahead_s, ahead_s)
+        want = self._limit() + int(self._rate() * ahead_s)
+        return ready < want and self._held_rows() < self.held_rows_cap
+
+    def _held_rows(self) -> int:
+        with self._open_lock:
+            open_rows = sum(len(ch.prompts) for ch in self.open.values())
+        return open_rows + self._committing_rows + self._claimed_prompts
+
+    def _claimer(self) -> None:
+        """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
+        s = self.settings
+        unavailable_since: float | None = None
+        while not self._claimer_stop.is_set():
+            try:
+                chunk = self._claim_step()
+                unavailable_since = None
+            except StoreUnavailable as exc:
+                unavailable_since = unavailable_since or time.monotonic()
+                if time.monotonic() - unavailable_since >= s.store_deadline_s:
+                    self._claim_error = exc
+                    return
+                logger.warning("claimer: S3 unavailable (%s); retrying", exc)
+                self._claimer_wake.wait(min(5.0, max(0.2, s.poll_s)))
+                self._claimer_wake.clear()
+                continue
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
+                self._claim_error = exc
+                return
+            if chunk is False:
+                continue
+            if chunk is None:
+                self._claimer_idle.set()
+                self._claimer_wake.wait(s.poll_s)
+                self._claimer_wake.clear()
+                continue
+            self._claimer_idle.clear()
+            if len(chunk.prompts) < self._full_chunk and chunk.base_rows is None:
+                self._in_tail = True
+            with self._open_lock:
+                self.open[chunk.index] = chunk
+            with self._committing_lock:
+                self._claimed_prompts += len(chunk.prompts_to_send())
+            self._claimed.put(chunk)
+            if self._claimer_stop.is_set():
+                return  # main's give-up drains `_claimed` and releases it
+
+    def _claim_step(self) -> OpenChunk | None | bool:
+        """One claimer step: an OpenChunk, None (nothing to claim now) or False (waited, go on)."""
+        while self._unopened:
+            lease, repairing = self._unopened[0]
+            if lease.gone:
+                self._unopened.popleft()
+                continue
+            chunk = self._open_claimed(lease, repairing)  # StoreUnavailable: stays parked
+            self._unopened.popleft()
+            if chunk is not None:
+                return chunk
+        if not self._claim_wanted():
+            self._claimer_wake.wait(0.05)
+            self._claimer_wake.clear()
+            return False
+        started = time.monotonic()
+        chunk = self._try_claim()
+        took = time.monotonic() - started
+        # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
+        self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
+        if chunk is None and self._unopened:
+            return False
+        return chunk
 
     def _all_done(self) -> bool:
         """Every chunk committed and nothing left to repair (by this worker's policy)."""
@@ -576,107 +745,86 @@ class Worker:
         )
         return not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
 
+    # -- renewer callback -----------------------------------------------------------------------
+    def _on_lost(self, lease: Lease) -> None:
+        with self._open_lock:
+            chunk = self.open.get(lease.chunk)
+        if chunk is not None:
+            chunk.dropped = True
+        self._count("chunks_lost_to_others")
+
     # -- committer thread -----------------------------------------------------------------------
     def _committer(self) -> None:
-        last_renew = time.monotonic()
-        renew_every = max(1.0, self.settings.lease_s / 4)
         while True:
+            chunk = self._commit_q.get()
+            if chunk is None:
+                return
             try:
-                chunk = self._commit_q.get(timeout=min(renew_every, 5.0))
-            except queue.Empty:
-                chunk = None
-            else:
-                if chunk is None:
-                    return
-            try:
-                if chunk is not None:
-                    self._commit(chunk)
-                if time.monotonic() - last_renew >= renew_every:
-                    self._renew_leases()
-                    last_renew = time.monotonic()
+                self._commit(chunk)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
                 self._commit_error = exc
                 return
             finally:
-                if chunk is not None:
-                    with self._committing_lock:
-                        self._committing -= 1
-                        self._committing_rows -= len(chunk.prompts)
+                with self._committing_lock:
+                    self._committing -= 1
+                    self._committing_rows -= len(chunk.prompts)
+
+    def _commit_deadline(self) -> float:
+        stop_at = getattr(self, "_stop_deadline", None)
+        if stop_at is None:
+            return self.settings.store_deadline_s
+        return max(0.1, stop_at - time.monotonic())
 
     def _commit(self, chunk: OpenChunk) -> None:
+        lease = chunk.lease
+        assert lease is not None
+        if not self.leases.move(lease, State.COMMITTING, "committer"):
+            return
         if chunk.base_rows is not None:
             rows = [chunk.results.get(r["id"], r) for r in chunk.base_rows]
         else:
             rows = [chunk.results[p["id"]] for p in chunk.prompts]
-        data = encode_part(rows)
         key = self.layout.part_key(chunk.index)
-        try:
-            with_retries(
-                lambda: self.store.put(
-                    key,
-                    data,
-                    if_none_match=chunk.part_etag is None,
-                    if_match=chunk.part_etag,
-                ),
-                what=f"commit chunk {chunk.index}",
-                deadline_s=self.settings.store_deadline_s,
-            )
-        except PreconditionFailed:
-            self.stats.commits_refused += 1
-            self.stats.rows_discarded += len(chunk.results)
+        outcome = self.chunks.commit(key, encode_part(rows), nonce=lease.nonce, if_match=chunk.part_etag,
+                                     deadline_s=self._commit_deadline())
+        if outcome is CommitOutcome.REFUSED:
+            self._count("commits_refused")
+            self._count("rows_discarded", len(chunk.results))
             logger.warning(
                 "chunk %d was already committed by another worker; %d rows of ours discarded",
                 chunk.index, len(chunk.results),
             )
         else:
-            self.stats.chunks_committed += 1
+            self._count("chunks_committed")
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
-            self._write_marker(chunk.index, rows, repaired=chunk.base_rows is not None)
+            self._write_marker(chunk, rows)
             if chunk.todo is not None:
-                with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial")
-        self._done_cache.add(chunk.index)
-        with_retries(lambda: self._release(chunk.index), what="release claim", deadline_s=60)
+                with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial",
+                             deadline_s=self._commit_deadline())
+        self._mark_done(chunk.index)
+        self.leases.move(lease, State.COMMITTED, "committer")
+        self.chunks.release(lease, deadline_s=min(60.0, self._commit_deadline()))
 
-    def _write_marker(self, c: int, rows: list[dict[str, Any]], repaired: bool) -> None:
+    def _write_marker(self, chunk: OpenChunk, rows: list[dict[str, Any]]) -> None:
         """Flag a part with error rows so a later run retries them (validation re-creates lost flags).
 
         A chunk committed for the first time cannot have a marker yet (markers only flag committed
-        parts), so a clean first commit costs no request; a clean repair clears the old flag.
+        parts), so a clean first commit costs no request; a clean repair clears the old flag. The
+        marker lists every run that produced or repaired the rows (each run repairs a chunk once).
         """
         retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
         permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
-        key = self.layout.retry_key(c)
+        key = self.layout.retry_key(chunk.index)
+        repaired = chunk.base_rows is not None
         if retryable or permanent:
-            body = json.dumps({"run_id": self.settings.run_id, "retryable": retryable, "permanent": permanent})
-            with_retries(lambda: self.store.put(key, body.encode(), content_type="application/json"), what="marker")
+            runs = [*chunk.marker_runs, self.settings.run_id] if repaired else [self.settings.run_id]
+            body = json.dumps({"runs": runs, "run_id": self.settings.run_id,
+                               "retryable": retryable, "permanent": permanent})
+            with_retries(lambda: self.store.put(key, body.encode(), content_type="application/json"), what="marker",
+                         deadline_s=self._commit_deadline())
         elif repaired:
-            with_retries(lambda: self.store.delete(key), what="marker")
-
-    def _renew_leases(self) -> None:
-        with self._open_lock:
-            chunks = list(self.open.values())
-        for chunk in chunks:
-            if chunk.lost or chunk.complete:
-                continue
-            try:
-                chunk.claim_etag = with_retries(
-                    lambda: self.store.put(
-                        self.layout.claim_key(chunk.index),
-                        self._claim_body(),
-                        if_match=chunk.claim_etag,
-                        content_type="application/json",
-                    ),
-                    what=f"renew claim {chunk.index}",
-                    deadline_s=self.settings.lease_s / 2,
-                )
-            except PreconditionFailed:
-                chunk.lost = True
-                self._ours.discard(chunk.index)
-                self._maybe_drop(chunk)
-                self.stats.chunks_lost_to_others += 1
-                logger.warning("chunk %d was taken over by another worker; dropping our copy", chunk.index)
-            except StoreUnavailable:
-                logger.warning("could not renew claim of chunk %d; S3 unavailable", chunk.index)
+            with_retries(lambda: self.store.delete(key), what="marker", deadline_s=self._commit_deadline())
+        self._repair_cache = None
 
     # -- main loop ------------------------------------------------------------------------------
     def _limit(self) -> int:
@@ -694,54 +842,6 @@ class Worker:
         span = min(10.0, max(1.0, now - self.stats.started_t))
         return len(self._done_times) / span
 
-    def _claim_wanted(self) -> bool:
-        """Claim while the prompts ready to send cover less than the time a claim takes (with margin)."""
-        ready = len(self.pending) + self._claimed_prompts
-        ahead_s = 3.0 * self._claim_latency_s
-        if not self._in_tail:
-            ahead_s = max(self.settings.claim_ahead_s, ahead_s)
-        want = self._limit() + int(self._rate() * ahead_s)
-        # Rows waiting to be written are bounded (an S3 outage must not grow memory without end);
-        # counted in rows, not parts, so the small parts at the end do not stop claims.
-        backlog_ok = self._committing_rows <= 2 * self._full_chunk
-        return ready < want and backlog_ok and self._suspect_since is None
-
-    def _claimer(self) -> None:
-        """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
-        s = self.settings
-        while not self._claimer_stop.is_set():
-            if not self._claim_wanted():
-                self._claimer_wake.wait(0.05)
-                self._claimer_wake.clear()
-                continue
-            started = time.monotonic()
-            try:
-                chunk = with_retries(self._try_claim, what="claim", deadline_s=s.store_deadline_s)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
-                self._claim_error = exc
-                return
-            took = time.monotonic() - started
-            # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
-            self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
-            if chunk is None:
-                logger.debug("claim found nothing in %.3fs; %d ready", time.monotonic() - started, len(self.pending) + self._claimed_prompts)
-                self._claimer_idle.set()
-                self._claimer_wake.wait(s.poll_s)
-                self._claimer_wake.clear()
-                continue
-            self._claimer_idle.clear()
-            if len(chunk.prompts) < self._full_chunk and chunk.base_rows is None:
-                self._in_tail = True
-            logger.debug(
-                "claimed chunk %d (%d prompts) in %.3fs; %d ready, %d in flight",
-                chunk.index, len(chunk.prompts_to_send()), took, len(self.pending) + self._claimed_prompts, self.in_flight,
-            )
-            with self._open_lock:
-                self.open[chunk.index] = chunk
-            with self._committing_lock:
-                self._claimed_prompts += len(chunk.prompts_to_send())
-            self._claimed.put(chunk)
-
     def _fill(self, pool: _RequestPool) -> None:
         while True:
             try:
@@ -751,6 +851,9 @@ class Worker:
             todo = chunk.prompts_to_send()
             with self._committing_lock:
                 self._claimed_prompts -= len(todo)
+            if chunk.dropped:
+                self._forget(chunk)
+                continue
             if not todo:
                 self._finish_chunk(chunk)
                 continue
@@ -758,7 +861,8 @@ class Worker:
         limit = self._limit()
         while self.in_flight < limit and self.pending:
             chunk, prompt = self.pending.popleft()
-            if chunk.lost:
+            if chunk.dropped:
+                self._forget(chunk)
                 continue
             pool.submit((chunk, prompt))
             self.in_flight += 1
@@ -766,9 +870,19 @@ class Worker:
         if self._claim_wanted():
             self._claimer_wake.set()
 
-    def _finish_chunk(self, chunk: OpenChunk) -> None:
+    def _forget(self, chunk: OpenChunk) -> None:
         with self._open_lock:
-            self.open.pop(chunk.index, None)
+            if self.open.get(chunk.index) is chunk:
+                del self.open[chunk.index]
+
+    def _finish_chunk(self, chunk: OpenChunk) -> None:
+        """Every row is in: hand the chunk to the committer (unless a peer took it over first)."""
+        assert chunk.lease is not None
+        self._forget(chunk)
+        if not self.leases.move(chunk.lease, State.QUEUED, "main"):
+            chunk.dropped = True
+            self._count("rows_discarded", len(chunk.results))
+            return
         with self._committing_lock:
             self._committing += 1
             self._committing_rows += len(chunk.prompts)
@@ -777,9 +891,9 @@ class Worker:
     def _handle(self, out: _Outcome) -> None:
         self.in_flight -= 1
         chunk = out.chunk
-        if chunk.lost:
-            self.stats.rows_discarded += 1
-            self._maybe_drop(chunk)
+        if chunk.dropped:
+            self._count("rows_discarded")
+            self._forget(chunk)
             return
         if out.row is not None:
             self._last_success_t = max(self._last_success_t, out.done_t)
@@ -790,9 +904,13 @@ class Worker:
             self.stats.output_tokens += tokens
             self._tok_window.append((self._last_success_t, tokens))
             self._done_times.append(time.monotonic())
+            self._recent_permanent.append(False)
         else:
             f = out.failure
-            assert f is not None
+            if f is None:  # stopped or dropped before any answer: not a result
+                if not self._stop_requested.is_set():
+                    self.pending.appendleft((chunk, out.prompt))
+                return
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
             pid = out.prompt["id"]
@@ -817,13 +935,56 @@ class Worker:
             row = self._error_row(out)
             self.stats.errors += 1
             self.stats.errors_by_class[f.error_class] = self.stats.errors_by_class.get(f.error_class, 0) + 1
+            self._recent_permanent.append(not f.transient)
+            if not f.transient:
+                self.stats.permanent_errors += 1
+                self._last_permanent = f"{f.error_class}: {f.message[:200]}"
+                self._check_breaker()
         chunk.results[row["id"]] = row
         if chunk.complete:
             self._finish_chunk(chunk)
 
-    def _maybe_drop(self, chunk: OpenChunk) -> None:
-        with self._open_lock:
-            self.open.pop(chunk.index, None)
+    def _check_breaker(self) -> None:
+        """Trip when this server's recent results are (nearly) all permanent errors and the fleet's
+        are not: its context length or chat template differs, and every row it writes is lost."""
+        s = self.settings
+        recent = self._recent_permanent
+        if len(recent) < max(10, s.breaker_window // 2):
+            return
+        share = sum(recent) / len(recent)
+        if share < s.breaker_share_vs_fleet:
+            return
+        others_done, others_perm = 0, 0
+        now = time.monotonic()
+        if share < s.breaker_share_alone:
+            if now - self._breaker_checked_t < 5.0:
+                return
+            self._breaker_checked_t = now
+            others_done, others_perm = self._fleet_results()
+            if others_done < s.breaker_window or others_perm / others_done > share / 4:
+                return
+        raise ServerBroken(
+            f"server {s.server.name} answered {sum(recent)} of its last {len(recent)} requests with a permanent "
+            f"error (last: {self._last_permanent}); the other servers: {others_perm} permanent errors in "
+            f"{others_done} results. Check its --context-length and chat template against the others'; "
+            f"its open chunks were released without its error rows."
+        )
+
+    def _fleet_results(self) -> tuple[int, int]:
+        """(results, permanent errors) of the other workers of this run, from their progress docs."""
+        prefix = self.layout.run_key(self.settings.run_id, "progress/")
+        done = perm = 0
+        try:
+            for obj in self.store.list(prefix):
+                if obj.key.endswith(f"/{self.settings.worker}.json"):
+                    continue
+                got = self.store.get(obj.key)
+                doc = claim_doc(got[0]) if got else {}
+                done += int(doc.get("completions") or 0) + int(doc.get("errors") or 0)
+                perm += int(doc.get("permanent_errors") or 0)
+        except (StoreUnavailable, ValueError, TypeError) as exc:
+            logger.warning("breaker: could not read the fleet's progress (%s)", exc)
+        return done, perm
 
     def _check_suspect(self, session: Any) -> None:
         if self._suspect_since is None:
@@ -832,13 +993,57 @@ class Worker:
             logger.info("server %s answers /health again; resuming", self.settings.server.name)
             self._suspect_since = None
             self._last_success_t = time.monotonic()
+            self._claimer_wake.set()
             return
         down_for = time.monotonic() - self._suspect_since
+        if down_for >= self.settings.handoff_after_s:
+            self._release_open(f"server {self.settings.server.name} failing for {down_for:.0f}s")
         if down_for >= self.settings.server_lost_after_s:
             raise ServerLost(
                 f"server {self.settings.server.name} lost: no answer for {down_for:.0f}s "
                 f"(server_lost_after_s={self.settings.server_lost_after_s:g})"
             )
+
+    def _release_open(self, why: str, keep_errors: bool = True, deadline_s: float = 30.0) -> int:
+        """Hand every open chunk to the fleet now: save its finished rows as a partial, then release
+        the claim (main's move OPEN/REPAIRING -> RELEASED). Returns how many were released."""
+        while True:
+            try:
+                chunk = self._claimed.get_nowait()
+            except queue.Empty:
+                break
+            with self._committing_lock:
+                self._claimed_prompts -= len(chunk.prompts_to_send())
+        with self._open_lock:
+            chunks = [ch for ch in self.open.values() if not ch.dropped]
+            self.open.clear()
+        self.pending.clear()
+        released = 0
+        saved = 0
+        for chunk in chunks:
+            chunk.dropped = True
+            lease = chunk.lease
+            if lease is None or lease.state not in (State.OPEN, State.REPAIRING, State.CLAIMED):
+                continue
+            # Completions (and permanent errors, unless this server is the problem); never transient
+            # error rows, which a failing server or the stop itself may have caused.
+            rows = [r for r in chunk.results.values()
+                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
+            if rows and chunk.base_rows is None:
+                try:
+                    with_retries(lambda: self.store.put(self.layout.partial_key(chunk.index), encode_part(rows)),
+                                 what=f"save partial {chunk.index}", deadline_s=deadline_s / 2)
+                    saved += len(rows)
+                except Exception as exc:  # noqa: BLE001 - best effort; the rows are redone otherwise
+                    logger.warning("could not save the %d finished rows of chunk %d: %s", len(rows), chunk.index, exc)
+            if self.leases.move(lease, State.RELEASED, "main"):
+                self.chunks.release(lease, deadline_s=deadline_s / 2)
+                released += 1
+        if released:
+            self._count("handoffs", released)
+            logger.warning("%s: released %d unfinished chunk(s) to the other servers (%d finished rows saved)",
+                           why, released, saved)
+        return released
 
     def _progress(self, force: bool = False) -> None:
         """Log one compact line and hand a snapshot to `on_progress` (the page and ETA read it).
@@ -853,9 +1058,11 @@ class Worker:
         window_tokens = sum(t for _, t in self._tok_window)
         span = min(120.0, max(1e-9, now - self.stats.started_t))
         with self._open_lock:
-            pending_rows = sum(len(ch.results) for ch in self.open.values() if not ch.lost)
+            pending_rows = sum(len(ch.results) for ch in self.open.values() if not ch.dropped)
+            open_chunks = len(self.open)
         pending_rows += sum(len(ch.results) for ch in list(self._commit_q.queue) if ch is not None)
-        done_chunks = self._done_cache & set(range(self.n_chunks))
+        with self._scan_lock:
+            done_chunks = self._done_cache & set(range(self.n_chunks))
         s = self.settings
         snapshot = {
             "run_id": s.run_id,
@@ -868,6 +1075,7 @@ class Worker:
             "elapsed_s": round(now - self.stats.started_t, 1),
             "completions": self.stats.completions,
             "errors": self.stats.errors,
+            "permanent_errors": self.stats.permanent_errors,
             "errors_by_class": dict(self.stats.errors_by_class),
             "requests_sent": self.stats.requests_sent,
             "requests_requeued": self.stats.requests_requeued,
@@ -875,9 +1083,11 @@ class Worker:
             "chunks_committed": self.stats.chunks_committed,
             "chunks_taken_over": self.stats.chunks_taken_over,
             "chunks_lost_to_others": self.stats.chunks_lost_to_others,
+            "handoffs": self.stats.handoffs,
             "in_flight": self.in_flight,
             "ready": len(self.pending),
-            "open_chunks": len(self.open),
+            "open_chunks": open_chunks,
+            "held_rows": self._held_rows(),
             "rows_pending_commit": pending_rows,
             "chunks_total": self.n_chunks,
             "chunks_done_total": len(done_chunks),
@@ -897,6 +1107,13 @@ class Worker:
         if self.on_progress:
             self.on_progress(snapshot)
 
+    def _raise_thread_errors(self) -> None:
+        for err in (self._commit_error, self._claim_error, self.keeper.error):
+            if err is not None:
+                raise err
+        if self._stop_requested.is_set():
+            raise TaskStopped(f"worker {self.settings.worker} stopped from outside")
+
     def run(self) -> dict[str, Any]:
         s = self.settings
         logger.info(
@@ -909,35 +1126,33 @@ class Worker:
         committer.start()
         claimer = threading.Thread(target=self._claimer, name="claimer", daemon=True)
         claimer.start()
+        self.keeper.start()
         probe_session = new_session()
         last_progress = time.monotonic()
         try:
             while True:
-                if self._commit_error is not None:
-                    raise self._commit_error
-                if self._claim_error is not None:
-                    raise self._claim_error
+                self._raise_thread_errors()
                 if self._suspect_since is None:
                     self._fill(pool)
                 else:
                     self._check_suspect(probe_session)
                 if self.in_flight == 0 and not self.pending:
                     if self._suspect_since is not None:
-                        time.sleep(1.0)
+                        time.sleep(min(1.0, s.handoff_after_s / 2))
                         continue
-                    if not self._claimed.empty() or not self._claimer_idle.is_set():
+                    if not self._claimed.empty() or not self._claimer_idle.is_set() or self._unopened:
                         self._claimer_wake.set()
                         time.sleep(0.02)
                         continue
                     self._wait_commits()
-                    if not self.open and self._claimed.empty() and self._all_done():
+                    if not self.open and self._claimed.empty() and not self._unopened and self._all_done():
                         break
                     self._claimer_idle.clear()
                     self._claimer_wake.set()
                     time.sleep(s.poll_s)
                     continue
                 try:
-                    item = pool.out.get(timeout=1.0)
+                    item = pool.out.get(timeout=0.5)
                 except queue.Empty:
                     item = None
                 while item is not None:
@@ -951,8 +1166,8 @@ class Worker:
                 if time.monotonic() - last_progress >= s.progress_every_s:
                     self._progress()
                     last_progress = time.monotonic()
-        except BaseException:
-            self._give_up()
+        except BaseException as exc:
+            self._give_up(claimer, committer, keep_errors=not isinstance(exc, ServerBroken))
             raise
         finally:
             self._claimer_stop.set()
@@ -961,6 +1176,7 @@ class Worker:
             self._io.shutdown(wait=False)
         self._commit_q.put(None)
         committer.join(timeout=60)
+        self.keeper.stop()
         if self._commit_error is not None:
             raise self._commit_error
         self._progress(force=True)
@@ -971,34 +1187,48 @@ class Worker:
 
     def _wait_commits(self) -> None:
         while self._committing > 0:
-            if self._commit_error is not None:
-                raise self._commit_error
+            self._raise_thread_errors()
             time.sleep(0.05)
 
-    def _give_up(self) -> None:
-        """Stop, save what our unfinished chunks already have, and hand them to the fleet now."""
+    def _give_up(self, claimer: threading.Thread, committer: threading.Thread, keep_errors: bool = True) -> None:
+        """Stop within `stop_grace_s`: complete chunks are committed (never dropped), finished rows
+        of the others saved as partials, every claim released (conditionally) for the fleet.
+
+        Order: the claimer stops first (it creates no lease after this), the committer drains the
+        queue against the deadline, then main owns every lease left (module docstring)."""
+        s = self.settings
+        grace = s.stop_grace_s if self._stop_requested.is_set() else max(s.stop_grace_s, 30.0)
+        deadline = time.monotonic() + grace
+        self._stop_deadline = deadline
         self._claimer_stop.set()
         self._claimer_wake.set()
+        claimer.join(timeout=max(0.0, min(0.5, grace / 6)))
+        # Complete chunks already handed to the main loop's queue are committed too.
         with self._open_lock:
-            chunks = list(self.open.values())
-            self.open.clear()
-        while True:
+            complete = [ch for ch in self.open.values() if ch.complete and not ch.dropped]
+        for chunk in complete:
+            self._finish_chunk(chunk)
+        self._commit_q.put(None)
+        committer.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.6))
+        self.leases.give_up_owner = "main"
+        remaining = max(0.2, deadline - time.monotonic())
+        self._release_open("stopping", keep_errors=keep_errors, deadline_s=remaining)
+        while True:  # leases the committer did not get to, and claims never opened
             try:
-                chunks.append(self._claimed.get_nowait())
+                left = self._commit_q.get_nowait()
             except queue.Empty:
                 break
-        for chunk in chunks:
-            chunk.lost = True
-        self.pending.clear()
-        for chunk in chunks:
-            if chunk.results and chunk.base_rows is None:
-                try:
-                    self.store.put(self.layout.partial_key(chunk.index), encode_part(list(chunk.results.values())))
-                except Exception as exc:  # noqa: BLE001 - best effort; the rows are redone otherwise
-                    logger.warning("could not save the %d finished rows of chunk %d: %s", len(chunk.results), chunk.index, exc)
-            self._release(chunk.index)
-        if chunks:
-            logger.warning(
-                "released %d unfinished chunk(s) to the other servers (%d finished rows saved for reuse)",
-                len(chunks), sum(len(c.results) for c in chunks if c.base_rows is None),
-            )
+            if left is None or left.lease is None or left.lease.state is not State.QUEUED:
+                continue
+            try:  # complete but not committed in time: all its rows become a partial for the next owner
+                self.store.put(self.layout.partial_key(left.index), encode_part(list(left.results.values())))
+            except Exception as exc:  # noqa: BLE001 - best effort
+                logger.warning("could not save the rows of complete chunk %d: %s", left.index, exc)
+            if self.leases.move(left.lease, State.RELEASED, "main"):
+                self.chunks.release(left.lease, deadline_s=max(0.1, deadline - time.monotonic()))
+        for lease in self.leases.live():
+            if lease.state is State.COMMITTING:
+                continue  # the committer's: its conditional write decides
+            if self.leases.move(lease, State.RELEASED, "main"):
+                self.chunks.release(lease, deadline_s=max(0.1, deadline - time.monotonic()))
+        self.keeper.stop()

@@ -125,14 +125,14 @@ def run_validation(
     t.chunks = len(sizes)
     parts: dict[int, str] = {}
     for obj in store.list(layout.completions_prefix):
-        c = chunk_of_key(obj.key)
+        c = chunk_of_key(obj.key, layout.completions_prefix)
         if c is None or c >= len(sizes):
             t.stray_parts_count += 1
             if len(t.stray_parts) < LIST_LIMIT:
                 t.stray_parts.append(obj.key)
         else:
             parts[c] = obj.key
-    markers = {chunk_of_key(o.key) for o in store.list(layout.retry_prefix)}
+    markers = {chunk_of_key(o.key, layout.retry_prefix) for o in store.list(layout.retry_prefix)}
 
     def fetch(c: int) -> tuple[int, list[str], pa.Table | None]:
         data = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")

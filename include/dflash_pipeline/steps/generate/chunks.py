@@ -1,0 +1,338 @@
+"""The chunk protocol: how generate tasks share one dataset root through S3 alone.
+
+A chunk is `save_every` prompts of the plan; its output is one Parquet part. Keys (dataset/layout):
+`claims/chunk-N.json` (the lease), `completions/part-N.parquet` (the output), `partials/chunk-N…`
+(finished rows a worker saved before letting go), `retry/chunk-N.json` (the part has error rows a
+later run may redo).
+
+States of a chunk as one worker sees it, and the only transitions (`TRANSITIONS`), each owned by
+exactly one thread of the worker:
+
+    FREE (no Lease object) --claimer: claim (conditional create / If-Match take-over)--> CLAIMED
+    CLAIMED   --claimer--> OPEN        inputs (and any partial rows) loaded; main may send its prompts
+    CLAIMED   --claimer--> REPAIRING   a committed part whose error rows this run redoes
+    CLAIMED   --claimer--> RELEASED    committed meanwhile / nothing to redo (claim deleted)
+    OPEN, REPAIRING --main--> QUEUED   every row in; handed to the committer
+    OPEN, REPAIRING --main--> RELEASED hand-off or give-up: finished rows saved as a partial first
+    QUEUED    --committer--> COMMITTING --committer--> COMMITTED (the part exists: ours or a peer's)
+    CLAIMED, OPEN, REPAIRING --renewer--> TAKEN_OVER   a renewal was refused: a peer owns it now
+
+Owners. The claimer creates a Lease and owns it while CLAIMED; main owns OPEN/REPAIRING; the
+committer owns QUEUED/COMMITTING; the renewer (LeaseKeeper) only renews and may move a *working*
+state (CLAIMED/OPEN/REPAIRING) to TAKEN_OVER. Every move happens under the lease's lock and checks
+the current state, so a race (main queues the chunk while the renewer sees a refusal) has one winner
+and the loser sees the new state. When the worker stops, the claimer and committer are stopped (or
+given a deadline) first; then main owns every lease left and releases it (`Leases.give_up_owner`).
+
+S3 outcomes, mapped once (dataset/store.py):
+- 412 PreconditionFailed: the race is lost (the key exists / changed) unless botocore had re-sent
+  the request (`retried`): then our first send may have succeeded, so we HEAD the key and compare
+  the `nonce` metadata each of our writes carries. A lost answer is never read as a lost race.
+- 404 on a conditional write or delete (`KeyGone`): the claim was deleted (released by a peer
+  that took it over and finished): a refused renewal or a no-op release.
+- 409 ConditionalRequestConflict, 503 SlowDown, 5xx, connection errors: StoreUnavailable, retried
+  with backoff; a renewal that cannot get through keeps the lease (we do not drop work on a hunch).
+
+Invariants (what makes a row exactly once and a run never hang):
+1. A part is written only with If-None-Match: * (first commit) or If-Match its read ETag (repair):
+   two workers can never both write a chunk, whatever the leases say. Leases only avoid waste.
+2. A chunk counts as done only when its part was seen in S3 (a listing, our commit, or a HEAD after
+   a refusal), never from a local guess.
+3. Complete rows are not dropped when a lease is lost: QUEUED/COMMITTING chunks are committed anyway
+   (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted.
+4. A lease we hold is renewed every lease/4 by its own thread in every non-final state, so a slow
+   commit (S3 retries) never lets a peer take over healthy work.
+5. Kill: SIGKILL loses the open chunks' unsaved rows and leaves claims that expire after `lease_s`.
+   SIGTERM / an exception: finished rows are saved as partials and claims released (conditional
+   delete, so a late owner never deletes a peer's claim) within the stop grace.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_pipeline.dataset.store import (
+    KeyGone,
+    ObjectInfo,
+    PreconditionFailed,
+    Store,
+    StoreUnavailable,
+    with_retries,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    CLAIMED = "claimed"
+    OPEN = "open"
+    REPAIRING = "repairing"
+    QUEUED = "queued"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    RELEASED = "released"
+    TAKEN_OVER = "taken_over"
+
+
+S = State
+#: (from, to) -> the only role allowed to make that move.
+TRANSITIONS: dict[tuple[State, State], str] = {
+    (S.CLAIMED, S.OPEN): "claimer",
+    (S.CLAIMED, S.REPAIRING): "claimer",
+    (S.CLAIMED, S.RELEASED): "claimer",
+    (S.OPEN, S.QUEUED): "main",
+    (S.REPAIRING, S.QUEUED): "main",
+    (S.OPEN, S.RELEASED): "main",
+    (S.REPAIRING, S.RELEASED): "main",
+    (S.QUEUED, S.COMMITTING): "committer",
+    (S.COMMITTING, S.COMMITTED): "committer",
+    (S.CLAIMED, S.TAKEN_OVER): "renewer",
+    (S.OPEN, S.TAKEN_OVER): "renewer",
+    (S.REPAIRING, S.TAKEN_OVER): "renewer",
+}
+#: States whose claim we hold and renew.
+RENEWED = frozenset({S.CLAIMED, S.OPEN, S.REPAIRING, S.QUEUED, S.COMMITTING})
+#: States a refused renewal may end (work not yet complete); QUEUED/COMMITTING are committed anyway.
+DROPPABLE = frozenset({S.CLAIMED, S.OPEN, S.REPAIRING})
+FINAL = frozenset({S.COMMITTED, S.RELEASED, S.TAKEN_OVER})
+
+
+class ProtocolError(RuntimeError):
+    """A thread tried a move it does not own: a bug, never an S3 condition."""
+
+
+@dataclass
+class Lease:
+    """Our claim on one chunk. `etag` and `state` change only under `lock`."""
+
+    chunk: int
+    etag: str
+    nonce: str
+    state: State = S.CLAIMED
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    last_renewed_t: float = field(default_factory=time.monotonic)
+
+    @property
+    def gone(self) -> bool:
+        return self.state in FINAL
+
+
+class Leases:
+    """The leases this worker holds, by chunk. Thread-safe; a lease leaves it when it ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_chunk: dict[int, Lease] = {}
+        #: Role that owns every lease once the worker is stopping (see the module docstring).
+        self.give_up_owner: str | None = None
+
+    def add(self, lease: Lease) -> None:
+        with self._lock:
+            self._by_chunk[lease.chunk] = lease
+
+    def move(self, lease: Lease, to: State, role: str) -> bool:
+        """Move `lease` to `to` if it is still where `role` may move it from; False if a peer
+        transition got there first (e.g. the renewer took it over). Wrong roles raise."""
+        with lease.lock:
+            frm = lease.state
+            if frm in FINAL:
+                return False
+            owner = TRANSITIONS.get((frm, to))
+            if to == S.RELEASED and role == self.give_up_owner:
+                pass  # stopping: the other threads are stopped and main owns every lease left
+            elif owner is None:
+                if to == S.TAKEN_OVER and role == "renewer":
+                    return False  # QUEUED/COMMITTING: committed anyway (invariant 3)
+                raise ProtocolError(f"chunk {lease.chunk}: no transition {frm.value} -> {to.value}")
+            elif owner != role:
+                raise ProtocolError(f"chunk {lease.chunk}: {frm.value} -> {to.value} belongs to {owner}, not {role}")
+            lease.state = to
+        if to in FINAL:
+            with self._lock:
+                if self._by_chunk.get(lease.chunk) is lease:
+                    del self._by_chunk[lease.chunk]
+        return True
+
+    def held(self, chunk: int) -> bool:
+        with self._lock:
+            return chunk in self._by_chunk
+
+    def live(self) -> list[Lease]:
+        with self._lock:
+            return [lease for lease in self._by_chunk.values() if lease.state in RENEWED]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_chunk)
+
+
+class CommitOutcome(enum.Enum):
+    COMMITTED = "committed"  # our bytes are the part
+    REFUSED = "refused"  # a peer's part is there (we looked)
+
+
+class ChunkStore:
+    """The protocol's S3 operations, each mapping S3's answers to one outcome (module docstring)."""
+
+    def __init__(self, store: Store, claim_key: Callable[[int], str], claim_body: Callable[[str], bytes],
+                 store_deadline_s: float = 600.0) -> None:
+        self.store = store
+        self.claim_key = claim_key
+        self.claim_body = claim_body
+        self.store_deadline_s = store_deadline_s
+
+    def _ours(self, key: str, nonce: str) -> ObjectInfo | None:
+        """The object at `key` if it carries our nonce (our write went through, its answer lost)."""
+        info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=self.store_deadline_s)
+        if info is not None and (info.metadata or {}).get("nonce") == nonce:
+            return info
+        return None
+
+    def claim(self, chunk: int, prev: ObjectInfo | None) -> Lease | None:
+        """Create the claim (prev None) or take over `prev` (an expired or our own stale claim).
+        None: a peer won. StoreUnavailable propagates (the caller retries the claim)."""
+        nonce = uuid.uuid4().hex
+        key = self.claim_key(chunk)
+        try:
+            etag = self.store.put(
+                key, self.claim_body(nonce), if_none_match=prev is None,
+                if_match=None if prev is None else prev.etag,
+                content_type="application/json", metadata={"nonce": nonce},
+            )
+        except PreconditionFailed as exc:
+            mine = self._ours(key, nonce) if exc.retried else None
+            if mine is None:
+                return None
+            logger.info("chunk %d: claim answer was lost but the claim is ours", chunk)
+            etag = mine.etag
+        return Lease(chunk, etag, nonce)
+
+    def renew(self, lease: Lease) -> bool:
+        """Rewrite our claim If-Match its ETag (this refreshes LastModified, which peers judge
+        the lease by). False: the claim changed or vanished, a peer owns the chunk now."""
+        key = self.claim_key(lease.chunk)
+        try:
+            etag = self.store.put(key, self.claim_body(lease.nonce), if_match=lease.etag,
+                                  content_type="application/json", metadata={"nonce": lease.nonce})
+        except PreconditionFailed as exc:  # KeyGone included
+            mine = self._ours(key, lease.nonce) if exc.retried and not isinstance(exc, KeyGone) else None
+            if mine is None:
+                return False
+            etag = mine.etag
+        with lease.lock:
+            lease.etag = etag
+            lease.last_renewed_t = time.monotonic()
+        return True
+
+    def release(self, lease: Lease, deadline_s: float) -> bool:
+        """Delete our claim if it is still ours (If-Match): a late owner never deletes a peer's
+        claim. False if S3 did not answer within `deadline_s` (the lease then simply expires)."""
+        key = self.claim_key(lease.chunk)
+        try:
+            with_retries(lambda: self.store.delete(key, if_match=lease.etag), what=f"release {key}",
+                         deadline_s=deadline_s, cap_s=max(0.5, deadline_s / 4))
+        except PreconditionFailed:
+            pass  # gone or a peer's now: nothing of ours to delete
+        except StoreUnavailable as exc:
+            logger.warning("could not release the claim of chunk %d (%s); it expires with its lease", lease.chunk, exc)
+            return False
+        return True
+
+    def commit(self, key: str, data: bytes, *, nonce: str, if_match: str | None, deadline_s: float) -> CommitOutcome:
+        """Write a part once: If-None-Match (first commit) or If-Match the part we repair. A
+        refusal is checked with a HEAD: our own write whose answer was lost is COMMITTED."""
+        for _ in range(3):
+            try:
+                with_retries(
+                    lambda: self.store.put(key, data, if_none_match=if_match is None, if_match=if_match,
+                                           metadata={"nonce": nonce}),
+                    what=f"commit {key}", deadline_s=deadline_s,
+                )
+                return CommitOutcome.COMMITTED
+            except PreconditionFailed:
+                info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=deadline_s)
+                if info is not None and (info.metadata or {}).get("nonce") == nonce:
+                    logger.info("%s: commit answer was lost but the part is ours", key)
+                    return CommitOutcome.COMMITTED
+                if info is not None:
+                    return CommitOutcome.REFUSED
+                # Refused yet absent: the part we repair was deleted meanwhile; write it fresh.
+                if_match = None
+        return CommitOutcome.REFUSED
+
+
+class LeaseKeeper:
+    """The renewer thread: renews every live lease every `lease_s / 4` (invariant 4).
+
+    A refused renewal moves a working lease to TAKEN_OVER and calls `on_lost(lease)`; a lease
+    already QUEUED/COMMITTING stays (invariant 3). S3 being unavailable keeps the lease: a peer can
+    take it over only after `lease_s` without renewal, and then our commit is refused (invariant 1).
+    """
+
+    def __init__(self, leases: Leases, chunks: ChunkStore, lease_s: float,
+                 on_lost: Callable[[Lease], None]) -> None:
+        self.leases = leases
+        self.chunks = chunks
+        self.every_s = max(0.25, lease_s / 4)
+        self.on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def renew_due(self) -> None:
+        now = time.monotonic()
+        for lease in self.leases.live():
+            if now - lease.last_renewed_t < self.every_s:
+                continue
+            try:
+                ok = self.chunks.renew(lease)
+            except StoreUnavailable as exc:
+                logger.warning("could not renew the claim of chunk %d (%s); will retry", lease.chunk, exc)
+                continue
+            if not ok:
+                if self.leases.move(lease, S.TAKEN_OVER, "renewer"):
+                    logger.warning("chunk %d was taken over by another worker; dropping our copy", lease.chunk)
+                    self.on_lost(lease)
+                else:
+                    logger.warning("chunk %d: claim lost while its rows are committed; the commit decides", lease.chunk)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self.every_s / 2)):
+            try:
+                self.renew_due()
+            except BaseException as exc:  # noqa: BLE001 - surfaced by the worker's main loop
+                self.error = exc
+                return
+
+
+def claim_body(owner: str, worker: str, server: str, run_id: str, try_number: int) -> Callable[[str], bytes]:
+    """The claim document for one worker; constant for a lease (the nonce is fixed per claim)."""
+
+    def body(nonce: str) -> bytes:
+        return json.dumps({"owner": owner, "worker": worker, "server": server, "run_id": run_id,
+                           "try": try_number, "nonce": nonce}).encode()
+
+    return body
+
+
+def claim_doc(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
