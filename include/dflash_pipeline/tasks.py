@@ -153,7 +153,35 @@ def generate(
             return {"worker": settings.worker, "server": spec.name, "nothing_to_do": True, "completions": 0}
         session = new_session()
         _wait_for_server(spec, cfg.server_lost_after_s, lambda: check_health(session, spec))
-        return worker.run()
+        with _stop_on_sigterm(worker.request_stop):
+            return worker.run()
+
+
+@contextmanager
+def _stop_on_sigterm(request_stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM (a task cleared or marked failed in the UI or over REST, a pod eviction, a Celery warm
+    shutdown) asks the worker to stop: it commits what is complete, saves finished rows and releases
+    its claims within its stop grace (3 s), before the supervisor's SIGKILL 5 s later. The task
+    runner's own handler (it calls `on_kill`) still runs."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        logger.warning("SIGTERM: stopping the worker (saving finished rows, releasing claims)")
+        request_stop()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any]:
