@@ -222,3 +222,27 @@ def test_two_runs_on_one_root_repair_a_chunk_once_each(s3_client: Any, bucket: s
     assert sum(r["errors"] for r in results) <= 2 * 40
     marker = json.loads(run.store.get(run.layout.retry_key(0))[0])
     assert RUN_ID in marker["runs"] and len(marker["runs"]) == len(set(marker["runs"]))
+
+
+@pytest.mark.timeout(120)
+def test_unfinished_rows_stored_by_older_code_are_errors_and_get_redone(s3_client: Any, bucket: str,
+                                                                         sim_fleet: Any) -> None:
+    from dflash_pipeline.dataset.records import encode_part
+    from dflash_pipeline.steps.validate import run_validation
+    from dflash_pipeline.steps.validate.report import Thresholds
+
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
+    run.run_all([run.worker(0)])
+    # What the old client stored for an aborted request: a "completion" with finish_reason abort.
+    key = run.layout.part_key(0)
+    rows = decode_part(run.store.get(key)[0]).to_pylist()
+    rows[3]["finish_reason"] = "abort"
+    run.store.put(key, encode_part(rows))
+    report = run_validation(s3_client, run.cfg.output_uri, Thresholds(max_error_rate=0.5))
+    assert report["unfinished_as_completions"] == 1 and report["errors_by_class"].get("Unfinished") == 1
+    assert report["completions"] == 39 and report["retryable_errors"] == 1
+    assert run.store.head(run.layout.retry_key(0)) is not None, "validation flagged the part for a retry"
+    result = run.run_all([run.worker(0, run_id="next-run")])[0]
+    assert isinstance(result, dict) and result["completions"] == 1
+    assert run.validate()["completions"] == 40

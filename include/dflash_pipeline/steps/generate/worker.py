@@ -68,7 +68,7 @@ from dflash_pipeline.steps.generate.chunks import (
     claim_body,
     claim_doc,
 )
-from dflash_pipeline.steps.generate.outcomes import completion_row, error_row, judge, unexpected_failure
+from dflash_pipeline.steps.generate.outcomes import FINISHED, completion_row, error_row, judge, unexpected_failure
 
 logger = logging.getLogger(__name__)
 
@@ -490,8 +490,11 @@ class Worker:
         return int(body.get("retryable", 0)) > 0
 
     def _wants_redo(self, row: dict[str, Any]) -> bool:
-        if not row.get("error_class") or row.get("run_id") == self.settings.run_id:
+        if row.get("run_id") == self.settings.run_id:
             return False
+        if not row.get("error_class"):
+            # Stored as a completion by older code although unfinished ("abort"): retryable.
+            return row.get("finish_reason") not in FINISHED
         return self.settings.retry_failed_rows == "all" or bool(row.get("retryable"))
 
     def _find_own_stale(self, claims: dict[int, ObjectInfo]) -> set[int]:
@@ -740,10 +743,26 @@ class Worker:
 
     def _all_done(self) -> bool:
         """Every chunk committed and nothing left to repair (by this worker's policy)."""
-        done, _, repair = with_retries(
+        done, claims, repair = with_retries(
             lambda: self._scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s
         )
-        return not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
+        finished = not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
+        if finished:
+            self._sweep_stale_claims(done, claims)
+        return finished
+
+    def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo]) -> None:
+        """Delete expired claims of committed chunks (a task SIGKILLed after claiming a chunk that
+        a peer had just committed leaves one nobody needs to take over). If-Match the listed ETag,
+        so a claim renewed meanwhile is left alone."""
+        now = self.store.server_time()
+        for c, info in claims.items():
+            if c in done and not self.leases.held(c) and (now - info.last_modified).total_seconds() > self.settings.lease_s:
+                try:
+                    self.store.delete(info.key, if_match=info.etag)
+                    logger.info("deleted the expired claim of committed chunk %d", c)
+                except (PreconditionFailed, StoreUnavailable):
+                    pass
 
     # -- renewer callback -----------------------------------------------------------------------
     def _on_lost(self, lease: Lease) -> None:

@@ -79,6 +79,13 @@ def has_think_markers(col: pa.ChunkedArray) -> np.ndarray:
     return np.array(to_numpy(pc.match_substring_regex(col, THINK_MARKER_RE), False), dtype=bool)
 
 
+def unfinished_mask(tbl: pa.Table) -> np.ndarray:
+    """Rows without an error class whose finish_reason is not stop/length (never a completion)."""
+    finish = pc.fill_null(tbl.column("finish_reason"), "")
+    ok = pc.or_(pc.equal(finish, "stop"), pc.equal(finish, "length"))
+    return ~to_numpy(ok, False).astype(bool)
+
+
 class Validator:
     """Folds chunks (planned ids + the part's rows) into a Tally; `finish()` resolves cross-part ids."""
 
@@ -174,11 +181,24 @@ class Validator:
         t = self.t
         servers = np.asarray(pc.fill_null(tbl.column("server"), "?").to_pylist(), dtype=object)
         is_err = to_numpy(pc.greater(pc.binary_length(tbl.column("error_class")), 0), False)
+        unfinished = unfinished_mask(tbl) & ~is_err
+        n_unfinished = int(unfinished.sum())
+        if n_unfinished:
+            t.unfinished_as_completions += n_unfinished
+            if len(t.defect_ids.get("unfinished_as_completions", [])) < SAMPLE_LIMIT:
+                pids = tbl.column("id").to_pylist()
+                t.sample("unfinished_as_completions", (pids[i] for i in np.flatnonzero(unfinished)[:SAMPLE_LIMIT]))
+            t.errors += n_unfinished
+            t.retryable_errors += n_unfinished
+            t.errors_by_class["Unfinished"] += n_unfinished
+            is_err_all = is_err | unfinished
+        else:
+            is_err_all = is_err
         for name in set(servers.tolist()):
             st = t.per_server.setdefault(name, ServerTally())
             mask = servers == name
             st.rows += int(mask.sum())
-            st.errors += int((mask & is_err).sum())
+            st.errors += int((mask & is_err_all).sum())
         n_err = int(is_err.sum())
         if n_err:
             errs = tbl.filter(pa.array(is_err))
@@ -186,8 +206,9 @@ class Validator:
             for cls, cnt in zip(*value_counts(errs.column("error_class"))):
                 t.errors_by_class[cls] += cnt
             t.retryable_errors += int(to_numpy(errs.column("retryable"), False).sum())
-            tbl = tbl.filter(pa.array(~is_err))
-            servers = servers[~is_err]
+        if n_err or n_unfinished:
+            tbl = tbl.filter(pa.array(~is_err_all))
+            servers = servers[~is_err_all]
         m = tbl.num_rows
         if m == 0:
             return

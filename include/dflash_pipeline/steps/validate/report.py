@@ -107,6 +107,9 @@ def build_report(
         "errors": t.errors,
         "retryable_errors": t.retryable_errors,
         "errors_by_class": dict(t.errors_by_class),
+        # Stored as completions by older code although the server never finished them (finish_reason
+        # "abort"...): counted above as retryable "Unfinished" errors; the next run redoes them.
+        "unfinished_as_completions": t.unfinished_as_completions,
         "missing": t.missing,
         "duplicates": t.duplicates,
         "unexpected_ids": t.unexpected,
@@ -154,7 +157,7 @@ def build_report(
 
 
 _MD_FIGURES = (
-    "prompts", "completions", "errors", "retryable_errors", "missing", "duplicates", "unexpected_ids", "coverage",
+    "prompts", "completions", "errors", "retryable_errors", "unfinished_as_completions", "missing", "duplicates", "unexpected_ids", "coverage",
     "error_rate", "truncation_rate", "truncated", "truncated_in_thinking", "truncated_in_answer", "empty_content",
     "empty_content_not_truncated", "reasoning_missing", "reasoning_unexpected", "think_markers_in_content",
     "think_markers_in_reasoning", "reasoning_tokens_unreported", "usage_missing", "prompt_tokens", "output_tokens",

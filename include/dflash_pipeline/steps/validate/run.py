@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import read_parquet
 from dflash_pipeline.dataset.store import Store, with_retries
-from dflash_pipeline.steps.validate.checks import Validator, to_numpy
+from dflash_pipeline.steps.validate.checks import Validator, to_numpy, unfinished_mask
 from dflash_pipeline.steps.validate.report import (
     VALIDATION_DIR,
     Thresholds,
@@ -64,10 +64,11 @@ def _ensure_marker(store: Store, layout: DatasetLayout, c: int, part: pa.Table, 
     if has:
         return
     is_err = to_numpy(pc.greater(pc.binary_length(part.column("error_class")), 0), False)
-    if not is_err.any():
+    unfinished = unfinished_mask(part) & ~is_err  # retryable "Unfinished" rows of older code
+    if not (is_err.any() or unfinished.any()):
         return
-    retryable = int(to_numpy(part.filter(pa.array(is_err)).column("retryable"), False).sum())
-    n = int(is_err.sum())
+    retryable = int(to_numpy(part.filter(pa.array(is_err)).column("retryable"), False).sum()) + int(unfinished.sum())
+    n = int(is_err.sum()) + int(unfinished.sum())
     body = {"run_id": "validation", "retryable": retryable, "permanent": n - retryable}
     with_retries(lambda: store.put(layout.retry_key(c), json.dumps(body).encode()), what="marker")
     logger.info("chunk %d has %d error row(s) without a retry flag; flagged for the next run", c, n)

@@ -93,6 +93,9 @@ class Tally:
     completions: int = 0
     errors: int = 0
     retryable_errors: int = 0
+    # Rows stored as completions whose finish_reason is not stop/length (an aborted request, by
+    # code older than the chunk protocol): counted as retryable errors, never as training data.
+    unfinished_as_completions: int = 0
     missing: int = 0
     duplicates: int = 0
     unexpected: int = 0
