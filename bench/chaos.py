@@ -1,6 +1,6 @@
 """Randomized fault schedules (issue 13): N seeded schedules against real processes, one table.
 
-    .venv/bin/python bench/chaos.py --schedules 50 [--first-seed 1] [--s3-only] [--servers N]
+    .venv/bin/python bench/chaos.py --schedules 50 [--first-seed 1] [--s3-only] [--servers N] [--s3-rates 0.1,0.15,0.05]
 
 Starts its own moto server; each schedule runs a simulated fleet, a fault-injecting S3 front and
 one generate worker process per server (SIGTERM/SIGKILL and retries included; see dev/chaos.py).
@@ -24,6 +24,8 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--s3-only", action="store_true", help="S3 faults only (no server or worker events)")
     ap.add_argument("--servers", type=int, default=None, help="fleet size (default: drawn, 2-4)")
+    ap.add_argument("--s3-rates", default=None, metavar="SLOWDOWN,CONFLICT,LOST",
+                    help="fix the S3 fault rates (e.g. 0.10,0.15,0.05) instead of drawing them")
     ap.add_argument("--bound-s", type=float, default=300.0, help="a schedule still running after this is a hang")
     args = ap.parse_args()
     bad = 0
@@ -36,6 +38,9 @@ def main() -> int:
         t0 = time.monotonic()
         for seed in range(args.first_seed, args.first_seed + args.schedules):
             sc = random_schedule(seed, s3_only=args.s3_only, n_servers=args.servers)
+            if args.s3_rates:
+                sd, cf, lo = (float(x) for x in args.s3_rates.split(","))
+                sc.s3 = {"slowdown": sd, "conflict": cf, "lost": lo}
             r = run_schedule(sc, s3_endpoint=moto.endpoint_url, s3_port=moto.port, bucket=bucket,
                              s3_client=client, bound_s=args.bound_s)
             bad += not r.ok
