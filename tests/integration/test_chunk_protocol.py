@@ -246,3 +246,29 @@ def test_unfinished_rows_stored_by_older_code_are_errors_and_get_redone(s3_clien
     result = run.run_all([run.worker(0, run_id="next-run")])[0]
     assert isinstance(result, dict) and result["completions"] == 1
     assert run.validate()["completions"] == 40
+
+
+def test_plan_reads_exactly_the_input_version_it_pins(s3_client: Any, bucket: str) -> None:
+    from dflash_pipeline.config import RunConfig
+    from dflash_pipeline.steps.plan import PlanError, run_plan
+
+    key = "in/replaced.jsonl"
+    s3_client.put_object(Bucket=bucket, Key=key, Body=b'{"prompt": "old"}\n')
+
+    class Replacing:
+        """The input is replaced between plan's HEAD (which it pins) and its read."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(s3_client, name)
+
+        def head_object(self, **kwargs: Any) -> Any:
+            resp = s3_client.head_object(**kwargs)
+            if kwargs.get("Key") == key:
+                s3_client.put_object(Bucket=bucket, Key=key, Body=b'{"prompt": "new"}\n{"prompt": "newer"}\n')
+            return resp
+
+    cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/{key}", "output_uri": f"s3://{bucket}/ds-replaced",
+                                 "servers": ["http://127.0.0.1:1"]})
+    with pytest.raises(PlanError, match="replaced"):
+        run_plan(Replacing(), cfg, RUN_ID)
+    assert Store(s3_client, bucket).head("ds-replaced/manifest.json") is None

@@ -130,9 +130,13 @@ class Store:
             raise
         return resp["Body"].read(), resp["ETag"]
 
-    def open(self, key: str) -> Any:
-        """A streaming body (file-like, `.read(n)` and line iteration) for large inputs."""
-        return self._call(self.client.get_object, Key=key)["Body"]
+    def open(self, key: str, *, if_match: str | None = None) -> Any:
+        """A streaming body (file-like, `.read(n)` and line iteration) for large inputs; with
+        if_match only that version (PreconditionFailed if the object was replaced since)."""
+        kwargs: dict[str, Any] = {"Key": key}
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        return self._call(self.client.get_object, **kwargs)["Body"]
 
     def head(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import ClientError

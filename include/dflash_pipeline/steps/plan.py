@@ -270,7 +270,13 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     sha = hashlib.sha256()
 
     def accepted_prompts() -> Iterator[Prompt]:
-        body = in_store.open(src.key)
+        try:  # exactly the version whose ETag the manifest pins, never a file replaced meanwhile
+            body = in_store.open(src.key, if_match=head.etag)
+        except PreconditionFailed as exc:
+            raise PlanError(
+                f"prompts_uri {cfg.prompts_uri} was replaced after planning started (ETag {head.etag} is gone); "
+                "the plan pins one version of the input: trigger again"
+            ) from exc
         stream = _HashingReader(body, sha)
         try:
             for item in iter_prompt_file(stream, src.key):
