@@ -15,6 +15,7 @@ import argparse
 import fcntl
 import json
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -54,13 +55,21 @@ def _fmt_value(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def print_table(headers: list[str], rows: list[list[str]]) -> None:
+_NUMBER = re.compile(r"-?[\d,]+(\.\d+)?%?")
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell; numbers right-aligned, everything else (dates, ids, names)
+    left-aligned, so a value like `2026-12-04T03:00:00+00:00` is not pushed right like a number."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    print(line)
-    print("  ".join("-" * w for w in widths))
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     for r in rows:
-        print("  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths)))
+        out.append("  ".join(c.rjust(w) if _NUMBER.fullmatch(c) else c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return out
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    print("\n".join(format_table(headers, rows)))
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -103,6 +112,35 @@ class Follower:
                 print(f"  {stamp}  {name:<22} {ti.state or 'none'}{tries}", flush=True)
 
 
+def screenshot(af: Any, run_id: str, path: Path) -> None:
+    """Log in through Airflow's login page and save the run's progress page (full page) as PNG."""
+    from urllib.parse import quote
+
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        print(f"no screenshot: {chromium} is missing (apt-get install -y chromium)", file=sys.stderr)
+        return
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(chromium), args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{af.url}/dflash/runs/{quote(DAG_ID, safe='')}/{quote(run_id, safe='')}")
+            page.get_by_role("link", name="Log in to Airflow").click()
+            page.get_by_label("Username").fill(af.username)
+            page.get_by_label("Password").fill(af.password)
+            page.get_by_role("button", name="Sign in").click()
+            page.wait_for_selector("#run-progress")
+            page.wait_for_function("Array.from(document.querySelectorAll('.plots img'))"
+                                   ".every(i => i.complete && i.naturalWidth > 0)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(path), full_page=True)
+            print(f"Screenshot: {path}")
+        finally:
+            browser.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run dflash_generate end to end on a local stack.")
     parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
@@ -115,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, default=REPO / ".stack" / "demo",
                         help="stack state (wiped at start)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the stack's steps")
+    parser.add_argument("--screenshot", type=Path, default=None,
+                        help="save a PNG of the finished run's progress page (needs /usr/bin/chromium)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -192,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"        e.g. AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing aws --endpoint-url "
                   f"{stack.moto.endpoint_url} s3 ls --recursive s3://{BUCKET}/{OUTPUT_PREFIX}/")
             print(f"Logs:   {af.logs_dir}")
+            if args.screenshot is not None:
+                screenshot(af, run_id, args.screenshot)
+            print(f"CLI:    AIRFLOW_HOME={af.home} {REPO / '.venv' / 'bin' / 'airflow'} dags list-runs {DAG_ID}")
+            print("        (plain `airflow ...` in the venv would use ~/airflow, a different, empty database)")
+            if not args.keep:
+                print("To keep the stack running for the UI and the CLI: make demo DEMO_ARGS=--keep")
             if args.keep:
                 print("\nThe stack keeps running. Press Ctrl-C (or kill -TERM this process) to stop it.", flush=True)
                 while True:

@@ -201,6 +201,15 @@ def test_browser_logs_in_and_sees_the_finished_run(
             page.screenshot(path=str(ARTIFACTS / "progress-page.png"), full_page=True)
             if not DOCS_SHOT.exists() or os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
                 page.screenshot(path=str(DOCS_SHOT), full_page=True)
+            # The throughput chart draws the fleet and every server, over the whole run.
+            assert page.locator("#throughput polyline").count() == 3
+            assert page.locator("#throughput text").count() >= 5, "a time axis with ticks"
+            # report.md opens rendered, not as raw Markdown.
+            page.get_by_role("link", name="report.md", exact=True).click()
+            page.locator("h1").first.wait_for()
+            assert page.locator("h1").first.inner_text().startswith("dflash-pipeline report")
+            assert page.locator("table").count() >= 2 and "|---|" not in page.content()
+            page.go_back()
 
             # The same page as a tab of the DAG run in Airflow's UI (an iframe, same cookie).
             page.goto(f"{url}/dags/{DAG}/runs/{quote(run_id, safe='')}/plugin/dflash-progress")

@@ -60,7 +60,11 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
-        self._server = ThreadingHTTPServer((host, 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                logger.debug("s3faults: connection from %s ended abruptly", client_address)
+
+        self._server = Server((host, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3faults", daemon=True)
 

@@ -341,32 +341,45 @@ def worker_state(doc: Mapping[str, Any], now: float, task_state: str | None = No
 
 
 def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = 120) -> dict[str, Any]:
-    """Output tokens/s over time: per worker and summed, on a common grid of at most `points`.
+    """Output tokens/s over the whole run: per server and summed, on a common grid of at most `points`.
 
-    A worker contributes its latest sample at or before a grid time, and nothing before its first
-    sample or more than two intervals after its last (it had stopped).
+    Rates come from each worker's cumulative output tokens (the difference between grid times, the
+    tokens interpolated linearly between samples), not from the instantaneous rate in a sample: a
+    short run with two samples per worker still draws every server over the whole span, and a
+    16-hour run is downsampled to `points` buckets whose rates are exact averages. A worker counts
+    as 0 before its first sample and after its last.
     """
-    hists = {str(d.get("server", d.get("worker"))): (list(d.get("history") or []), float(d.get("every_s") or 10.0))
-             for d in docs}
-    times = [h[H_T] for hist, _ in hists.values() for h in hist]
-    if not times:
+    hists: dict[str, list[list[float]]] = {}
+    for d in docs:
+        name = str(d.get("server", d.get("worker")))
+        hist = sorted((list(h) for h in d.get("history") or [] if len(h) > H_TOKENS), key=lambda h: h[H_T])
+        hists.setdefault(name, []).extend(hist)
+    times = [h[H_T] for hist in hists.values() for h in hist]
+    if not times or max(times) <= min(times):
         return {"t": [], "total": [], "servers": {}}
     t0, t1 = min(times), max(times)
-    n = max(2, min(points, int((t1 - t0) // 1) + 1)) if t1 > t0 else 1
-    grid = [t0 + (t1 - t0) * i / (n - 1) for i in range(n)] if n > 1 else [t0]
+    n = max(2, min(points, int(t1 - t0) + 1))
+    grid = [t0 + (t1 - t0) * i / (n - 1) for i in range(n)]
+
+    def cumulative(hist: list[list[float]], t: float) -> float:
+        if t <= hist[0][H_T]:
+            return float(hist[0][H_TOKENS])
+        for a, b in zip(hist, hist[1:]):
+            if t <= b[H_T]:
+                span = b[H_T] - a[H_T]
+                frac = (t - a[H_T]) / span if span > 0 else 1.0
+                return float(a[H_TOKENS]) + frac * (float(b[H_TOKENS]) - float(a[H_TOKENS]))
+        return float(hist[-1][H_TOKENS])
+
     per: dict[str, list[float]] = {}
-    for name, (hist, every) in hists.items():
-        vals: list[float] = []
-        j = -1
-        for t in grid:
-            while j + 1 < len(hist) and hist[j + 1][H_T] <= t + 1e-6:
-                j += 1
-            if j < 0 or t - hist[j][H_T] > 2 * every + 1:
-                vals.append(0.0)
-            else:
-                vals.append(float(hist[j][H_RATE]))
-        per[name] = vals
-    total = [round(sum(v[i] for v in per.values()), 1) for i in range(len(grid))]
+    for name, hist in hists.items():
+        if not hist:
+            continue
+        cum = [cumulative(hist, t) for t in grid]
+        # A rate per grid interval, plotted at its end; the first point is the run's start (0).
+        per[name] = [0.0] + [round(max(0.0, (cum[i] - cum[i - 1]) / (grid[i] - grid[i - 1])), 1)
+                             for i in range(1, n)]
+    total = [round(sum(v[i] for v in per.values()), 1) for i in range(n)]
     return {"t": [round(t, 1) for t in grid], "total": total, "servers": per}
 
 

@@ -131,6 +131,62 @@ def server_bar(s: Mapping[str, Any]) -> str:
             f"</b></div>")
 
 
+def _inline_md(text: str) -> str:
+    """`code` and **bold** of our report's Markdown, everything else escaped."""
+    out = []
+    for i, piece in enumerate(text.split("`")):
+        if i % 2:
+            out.append(f'<code>{_e(piece)}</code>')
+        else:
+            bold = _e(piece).split("**")
+            out.append("".join(f"<b>{b}</b>" if j % 2 else b for j, b in enumerate(bold)))
+    return "".join(out)
+
+
+def markdown_html(md: str) -> str:
+    """HTML of the Markdown validation writes (headings, pipe tables, `- ` lists, paragraphs):
+    the report.md link shows a page, not raw Markdown. Anything else is shown as escaped text."""
+    html: list[str] = []
+    lines = md.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].rstrip()
+        if not line:
+            i += 1
+        elif line.startswith("#"):
+            level = min(4, len(line) - len(line.lstrip("#")))
+            html.append(f"<h{level}>{_inline_md(line[level:].strip())}</h{level}>")
+            i += 1
+        elif line.startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                if not all(set(c) <= set("-: ") for c in cells):
+                    rows.append(cells)
+                i += 1
+            head, body = rows[0], rows[1:]
+            html.append("<table><thead><tr>" + "".join(f"<th>{_inline_md(c)}</th>" for c in head) + "</tr></thead>"
+                        "<tbody>" + "".join("<tr>" + "".join(f"<td>{_inline_md(c)}</td>" for c in r) + "</tr>"
+                                            for r in body) + "</tbody></table>")
+        elif line.startswith("- "):
+            items = []
+            while i < len(lines) and lines[i].startswith("- "):
+                items.append(f"<li>{_inline_md(lines[i][2:])}</li>")
+                i += 1
+            html.append("<ul>" + "".join(items) + "</ul>")
+        else:
+            html.append(f"<p>{_inline_md(line)}</p>")
+            i += 1
+    return "".join(html)
+
+
+def short_label(name: str, limit: int = 28) -> str:
+    """A server's name short enough for a legend or an axis: host:port without the scheme, else
+    its tail (the full name goes in a tooltip)."""
+    text = name.split("://", 1)[-1].rstrip("/")
+    return text if len(text) <= limit else "\u2026" + text[-(limit - 1):]
+
+
 def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 200) -> str:
     """Output tokens/s over time: the fleet's sum (thick) and each server (thin)."""
     t = list(series.get("t") or [])
@@ -150,8 +206,9 @@ def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 20
     legend = ['<span><i style="background:#111827;height:4px"></i>fleet</span>']
     for i, (name, vals) in enumerate(sorted(servers.items())):
         color = _PALETTE[i % len(_PALETTE)]
-        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{pts(vals)}"/>')
-        legend.append(f'<span><i style="background:{color}"></i>{_e(name)}</span>')
+        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="{pts(vals)}">'
+                     f"<title>{_e(name)}</title></polyline>")
+        legend.append(f'<span title="{_e(name)}"><i style="background:{color}"></i>{_e(short_label(name))}</span>')
     lines.append(f'<polyline fill="none" stroke="#111827" stroke-width="2.4" points="{pts(total)}"/>')
     grid = []
     for frac in (0.0, 0.5, 1.0):
@@ -159,11 +216,15 @@ def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 20
         y = pad_t + h * (1 - val / ymax)
         grid.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>'
                     f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end" fill="#6b7280">{val:,.0f}</text>')
-    axis = (f'<text x="{pad_l}" y="{height - 5}" font-size="11" fill="#6b7280">0</text>'
-            f'<text x="{pad_l + w}" y="{height - 5}" font-size="11" text-anchor="end" fill="#6b7280">'
-            f"{_e(format_duration(span))}</text>"
-            f'<text x="{pad_l + w / 2}" y="{height - 5}" font-size="11" text-anchor="middle" fill="#6b7280">'
-            f"output tokens/s over time</text>")
+    ticks = []
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        x = pad_l + w * frac
+        anchor = "start" if frac == 0 else ("end" if frac == 1 else "middle")
+        ticks.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{pad_t + h}" y2="{pad_t + h + 4}" stroke="#9ca3af"/>'
+                     f'<text x="{x:.1f}" y="{height - 5}" font-size="11" text-anchor="{anchor}" fill="#6b7280">'
+                     f'{"0" if frac == 0 else _e(format_duration(span * frac))}</text>')
+    axis = "".join(ticks) + (f'<text x="{pad_l + 4}" y="{pad_t + 12}" font-size="11" fill="#6b7280">'
+                             "output tokens/s since the first sample</text>")
     return (f'<svg id="throughput" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
             f'role="img" aria-label="output tokens per second over time">{"".join(grid)}{"".join(lines)}{axis}</svg>'
             f'<div class="legend">{"".join(legend)}</div>')
@@ -201,8 +262,8 @@ def servers_table(p: Mapping[str, Any]) -> str:
 def rate_kpi(p: Mapping[str, Any], run_state: str | None) -> tuple[str, str]:
     """The fleet's recent rate while running; once finished, its mean over the recorded history."""
     total = list((p.get("series") or {}).get("total") or [])
-    if run_state in TERMINAL and total:
-        return "output tok/s (fleet, mean)", _n(round(sum(total) / len(total)))
+    if run_state in TERMINAL and len(total) > 1:
+        return "output tok/s (fleet, mean)", _n(round(sum(total[1:]) / (len(total) - 1)))
     return f"output tok/s (fleet, last {int(p.get('rate_window_s') or 300) // 60} min)", _n(round(p["output_tokens_per_s"]))
 
 
@@ -268,8 +329,8 @@ def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[s
             cls="report-servers", numeric=tuple(range(1, len(preferred) + 1))))
     parts.append("</div></div>")
     if md_url:
-        parts.append(f'<p><a href="{_e(md_url)}">report.md</a> \u00b7 '
-                     f'<span class="mono">{_e(report.get("report_key"))}</span></p>')
+        parts.append(f'<p><a href="{_e(md_url)}">report.md</a> (rendered; <a href="{_e(md_url)}?raw=1">raw Markdown</a>)'
+                     f' \u00b7 <span class="mono">{_e(report.get("report_key"))}</span></p>')
     if plot_urls:
         parts.append('<h2>Plots</h2><div class="plots">' + "".join(
             f'<img src="{_e(u)}" alt="{_e(n)}" loading="lazy">' for n, u in plot_urls) + "</div>")

@@ -252,8 +252,12 @@ def create_app(url_prefix: str = URL_PREFIX) -> FastAPI:
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
 
     @app.get("/runs/{dag_id}/{run_id}/report.md", dependencies=[can_read_runs])
-    def report_md(dag_id: str, run_id: str, session: SessionDep) -> PlainTextResponse:
+    def report_md(dag_id: str, run_id: str, session: SessionDep, raw: bool = False) -> Response:
+        """The report rendered as a page (`?raw=1`: the Markdown itself, for copying)."""
         data, _ = _read_run_object(session, dag_id, run_id, "report.md")
-        return PlainTextResponse(data.decode("utf-8", errors="replace"), media_type="text/markdown; charset=utf-8")
+        text = data.decode("utf-8", errors="replace")
+        if raw:
+            return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
+        return HTMLResponse(ui.page(f"report: {run_id}", ui.markdown_html(text)))
 
     return app

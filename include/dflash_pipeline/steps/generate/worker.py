@@ -1147,6 +1147,7 @@ class Worker:
         claimer.start()
         self.keeper.start()
         probe_session = new_session()
+        self._progress()  # a start sample: the throughput chart spans the run from its first second
         last_progress = time.monotonic()
         try:
             while True:

@@ -87,23 +87,42 @@ def thinking_vs_answer(h2: Histogram2D, unit: str, skipped: int) -> bytes:
     return _png(fig)
 
 
+def short_names(names: list[str], limit: int = 28) -> list[str]:
+    """Axis labels for servers: host:port without the scheme, else the tail; the full names go in
+    the figure's footnote when any label had to be cut."""
+    out = []
+    for n in names:
+        text = n.split("://", 1)[-1].rstrip("/")
+        out.append(text if len(text) <= limit else "\u2026" + text[-(limit - 1):])
+    if len(set(out)) < len(out):
+        out = [f"s{i}" for i in range(len(names))]
+    return out
+
+
 def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
-    """Per server: output tokens produced, and output tokens per second of request time."""
-    fig, _ = _figure(max(6.0, min(16.0, 2.0 + 0.45 * len(per_server))), 4.2)
-    left, right = fig.subplots(1, 2)
+    """Per server, as horizontal bars (readable for any number of servers and any URL length):
+    output tokens produced, and output tokens per second of request time."""
     names = list(per_server)
-    x = np.arange(len(names))
+    height = max(3.2, min(14.0, 1.4 + 0.45 * len(names)))
+    fig, _ = _figure(8.0, height)
+    left, right = fig.subplots(1, 2, sharey=True)
+    y = np.arange(len(names))
     tokens = [per_server[n]["output_tokens"] for n in names]
     rate = [per_server[n].get("output_tokens_per_request_s") or 0.0 for n in names]
     errors = [per_server[n]["errors"] for n in names]
-    left.bar(x, tokens, color="tab:blue")
-    left.set_title("output tokens", fontsize=10)
-    right.bar(x, rate, color="tab:green")
-    right.set_title("output tokens per request-second", fontsize=10)
-    labels = [f"{n[-24:]}\n({e} err)" if e else n[-24:] for n, e in zip(names, errors)]
+    short = short_names(names)
+    labels = [f"{s} ({e} err)" if e else s for s, e in zip(short, errors)]
+    left.barh(y, tokens, color="tab:blue")
+    left.set_title("output tokens", fontsize=11)
+    right.barh(y, rate, color="tab:green")
+    right.set_title("output tokens / request-second", fontsize=11)
+    left.set_yticks(y, labels, fontsize=10)
+    left.invert_yaxis()
     for ax in (left, right):
-        ax.set_xticks(x, labels, rotation=60 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center",
-                      fontsize=7)
+        ax.tick_params(axis="x", labelsize=9)
+        ax.ticklabel_format(axis="x", style="plain")
+    if short != [n.split("://", 1)[-1].rstrip("/") for n in names]:
+        fig.text(0.01, 0.005, "; ".join(f"{s} = {n}" for s, n in zip(short, names))[:400], fontsize=6)
     return _png(fig)
 
 
