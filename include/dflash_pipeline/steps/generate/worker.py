@@ -1194,8 +1194,15 @@ class Worker:
             self._claimer_wake.set()
             pool.close()
             self._io.shutdown(wait=False)
+        # The claimer may be releasing a chunk it claimed from a stale listing just as the dataset
+        # completed: let it finish (its S3 retries are bounded), then release anything still held.
+        claimer.join(timeout=min(120.0, s.store_deadline_s))
         self._commit_q.put(None)
         committer.join(timeout=60)
+        self.leases.give_up_owner = "main"
+        for lease in self.leases.live():
+            if lease.state is not State.COMMITTING and self.leases.move(lease, State.RELEASED, "main"):
+                self.chunks.release(lease, deadline_s=30.0)
         self.keeper.stop()
         if self._commit_error is not None:
             raise self._commit_error
