@@ -226,6 +226,16 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "for the prompt set and the data over-represents cut-off reasoning.",
         "section": SECTION_VALIDATION,
     },
+    "max_missing_reasoning_rate": {
+        "type": "number",
+        "default": 0.005,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "With enable_thinking, validate_and_count fails when more than this share of the "
+        "completions have no reasoning (a server without a reasoning parser whose answers could not be "
+        "split, an engine that names the field differently): the failure names the servers they came from.",
+        "section": SECTION_VALIDATION,
+    },
     "tokenizer": {
         "type": ["null", "string"],
         "default": None,
@@ -276,6 +286,7 @@ class RunConfig:
     min_coverage: float = 1.0
     max_error_rate: float = 0.01
     max_truncation_rate: float = 0.10
+    max_missing_reasoning_rate: float = 0.005
     tokenizer: str | None = None
 
     @classmethod
@@ -339,6 +350,7 @@ class RunConfig:
             min_coverage=float(get("min_coverage")),
             max_error_rate=float(get("max_error_rate")),
             max_truncation_rate=float(get("max_truncation_rate")),
+            max_missing_reasoning_rate=float(get("max_missing_reasoning_rate")),
             tokenizer=get("tokenizer") or None,
         )
 

@@ -191,7 +191,8 @@ def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any
 
     cfg = config_from_params(params)
     thresholds = Thresholds(
-        max_error_rate=cfg.max_error_rate, max_truncation_rate=cfg.max_truncation_rate, min_coverage=cfg.min_coverage
+        max_error_rate=cfg.max_error_rate, max_truncation_rate=cfg.max_truncation_rate, min_coverage=cfg.min_coverage,
+        max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
     )
     with _fail_fast():
         report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer)

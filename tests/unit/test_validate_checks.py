@@ -17,7 +17,7 @@ from dflash_pipeline.dataset.records import encode_inputs, encode_part
 from dflash_pipeline.steps.validate import LIST_LIMIT, Thresholds, ValidationFailed, run_validation
 from dflash_pipeline.steps.validate.histogram import Histogram
 
-LAX = Thresholds(max_error_rate=1.0, max_truncation_rate=1.0, min_coverage=0.0)
+LAX = Thresholds(max_error_rate=1.0, max_truncation_rate=1.0, min_coverage=0.0, max_missing_reasoning_rate=1.0)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -223,7 +223,26 @@ def test_thresholds_fail_with_the_figure(s3_client: Any, bucket: str, thresholds
     assert expected in str(exc.value)
     r = json.loads(get(s3_client, bucket, f"{root}/report.json"))
     assert r["status"] == "failed" and expected in r["problems"][0]
-    assert [c["ok"] for c in r["checks"]] == [True, thresholds.max_error_rate == 1.0, thresholds.max_error_rate != 1.0]
+    assert [c["ok"] for c in r["checks"]] == [True, thresholds.max_error_rate == 1.0, thresholds.max_error_rate != 1.0,
+                                              True]
+
+
+def test_a_thinking_dataset_without_thinking_fails_naming_the_servers(s3_client: Any, bucket: str) -> None:
+    rows = ([row(f"a{i}", server="http://sglang:30000") for i in range(4)]
+            + [row(f"b{i}", server="http://vllm-1:8000", reasoning=None) for i in range(3)]
+            + [row(f"c{i}", server="http://vllm-2:8000", reasoning=None) for i in range(2)])
+    uri = write_dataset(s3_client, bucket, "ds/nothinking", [[r["id"] for r in rows]], {0: rows})
+    with pytest.raises(ValidationFailed) as exc:
+        run_validation(s3_client, uri, plots=False)
+    msg = str(exc.value)
+    assert "reasoning missing on 55.56% of completions with thinking enabled (5 of 9" in msg
+    assert "http://vllm-1:8000 3, http://vllm-2:8000 2" in msg and "max_missing_reasoning_rate" in msg
+    r = json.loads(get(s3_client, bucket, "ds/nothinking/report.json"))
+    assert r["per_server"]["http://vllm-1:8000"]["reasoning_missing"] == 3
+    assert r["per_server"]["http://sglang:30000"]["reasoning_missing"] == 0
+    # Without thinking there is no such check.
+    uri = write_dataset(s3_client, bucket, "ds/nothinking-off", [[r["id"] for r in rows]], {0: rows}, thinking=False)
+    assert "missing_reasoning_rate" not in [c["name"] for c in run_validation(s3_client, uri, plots=False)["checks"]]
 
 
 def test_error_rows_without_a_retry_flag_get_one(s3_client: Any, bucket: str) -> None:

@@ -242,6 +242,8 @@ class Validator:
         t.empty_content_not_truncated += flag("empty_content_not_truncated", empty & ~truncated)
         if self.thinking:
             t.reasoning_missing += flag("reasoning_missing", ~has_reasoning)
+            for name in set(servers[~has_reasoning].tolist()):
+                t.per_server[name].reasoning_missing += int(((servers == name) & ~has_reasoning).sum())
         else:
             t.reasoning_unexpected += flag("reasoning_unexpected", has_reasoning)
         t.think_markers_in_content += flag("think_markers_in_content", has_think_markers(content))

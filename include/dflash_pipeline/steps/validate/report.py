@@ -28,6 +28,7 @@ class Thresholds:
     max_error_rate: float = 0.01
     max_truncation_rate: float = 0.10
     min_coverage: float = 1.0
+    max_missing_reasoning_rate: float = 0.005
 
 
 
@@ -48,7 +49,7 @@ def plot_keys(layout: DatasetLayout) -> dict[str, str]:
     return {name: f"{layout.root}/{fname}" for name, fname in PLOT_FILES.items()}
 
 
-def evaluate(t: Tally, thresholds: Thresholds) -> tuple[list[dict[str, Any]], list[str]]:
+def evaluate(t: Tally, thresholds: Thresholds, thinking: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
     """The threshold checks (figure, limit, pass) and the problems that fail the dataset."""
     coverage = 1.0 - rate(t.missing, t.prompts) if t.prompts else 1.0
     rows = t.completions + t.errors
@@ -66,6 +67,16 @@ def evaluate(t: Tally, thresholds: Thresholds) -> tuple[list[dict[str, Any]], li
          "figure": f"truncation rate {pct(truncation_rate)} ({t.truncated} of {t.completions} completions "
          f"hit max_tokens, {t.truncated_in_thinking} of them inside the thinking)"},
     ]
+    if thinking:
+        missing_rate = rate(t.reasoning_missing, t.completions)
+        by_server = sorted(((s.reasoning_missing, n) for n, s in t.per_server.items() if s.reasoning_missing),
+                           reverse=True)
+        where = ", ".join(f"{n} {k}" for k, n in by_server[:5]) or "none"
+        checks.append(
+            {"name": "missing_reasoning_rate", "value": round(missing_rate, 6), "threshold": "max_missing_reasoning_rate",
+             "limit": thresholds.max_missing_reasoning_rate, "ok": missing_rate <= thresholds.max_missing_reasoning_rate,
+             "figure": f"reasoning missing on {pct(missing_rate)} of completions with thinking enabled "
+             f"({t.reasoning_missing} of {t.completions}; by server: {where})"})
     problems: list[str] = []
     if t.duplicates:
         problems.append(f"{t.duplicates} duplicate row(s) (first: {t.duplicate_ids[:5]})")
@@ -89,7 +100,7 @@ def build_report(
     files: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     thresholds = thresholds or Thresholds()
-    checks, problems = evaluate(t, thresholds)
+    checks, problems = evaluate(t, thresholds, thinking=bool(manifest["pinned"]["sampling"]["enable_thinking"]))
     rc = t.recount.to_dict() if t.recount is not None else None
     return {
         "format": REPORT_FORMAT,

@@ -209,6 +209,8 @@ def run_validation(
             f"s3://{layout.bucket}/{layout.root}/{VALIDATION_DIR}/). Missing rows or error rows: rerun the failed "
             "generate tasks (airflow dags clear dflash_generate --run-id <run> --only-failed -y) or trigger a new run "
             "into the same output_uri (only the missing work is done; retry_failed_rows='all' retries permanent errors). "
-            "Truncation: raise max_tokens (into a new output_uri) or max_truncation_rate if truncated rows are acceptable."
+            "Truncation: raise max_tokens (into a new output_uri) or max_truncation_rate if truncated rows are acceptable. "
+            "Missing reasoning: start the named servers with a reasoning parser (SGLang --reasoning-parser qwen3) "
+            "and regenerate into a new output_uri."
         )
     return report

@@ -26,6 +26,7 @@ class ServerTally:
     prompt_tokens: int = 0
     output_tokens: int = 0
     latency_sum: float = 0.0
+    reasoning_missing: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -33,6 +34,7 @@ class ServerTally:
             "completions": self.completions,
             "errors": self.errors,
             "truncated": self.truncated,
+            "reasoning_missing": self.reasoning_missing,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "mean_latency_s": round(self.latency_sum / self.completions, 3) if self.completions else None,
