@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dev.faultlab import run_generation
 from dflash_pipeline.steps.plan import run_plan
@@ -41,3 +43,22 @@ def test_prompt_longer_than_the_context_is_an_error_row_never_retried(s3_client,
     # A later run (default retry_failed_rows=transient) does not retry a permanent error.
     run_generation(s3_client, cfg, fleet.urls, "run2")
     assert fleet.servers[0].stats()["generation_requests"] == first
+
+
+def test_preflight_refuses_a_server_whose_context_cannot_hold_max_tokens(s3_client, bucket, sim_fleet) -> None:
+    from dflash_pipeline.config import ConfigError
+    from dflash_pipeline.serving.sglang import ServerSpec
+    from dflash_pipeline.steps.plan import run_plan
+    from dflash_pipeline.steps.preflight import run_preflight
+
+    fleet = sim_fleet(2, token_time_s=0.0005, length_scale=0.05)
+    fleet.servers[1].update_config(context_length=2048)
+    s3_client.put_object(Bucket=bucket, Key="p2.jsonl", Body=b'{"prompt": "hello"}\n')
+    cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/p2.jsonl", "output_uri": f"s3://{bucket}/ctx2",
+                                 "servers": fleet.urls, "max_tokens": 4096})
+    run_plan(s3_client, cfg, "r1")
+    with pytest.raises(ConfigError) as exc:
+        run_preflight(s3_client, cfg, [ServerSpec(u, u) for u in fleet.urls], "r1")
+    assert f"server {fleet.urls[1]}: context_length 2048 cannot hold max_tokens 4096" in str(exc.value)
+    assert fleet.urls[0] not in str(exc.value)
+    assert sum(s.stats()["generation_requests"] for s in fleet.servers) == 0

@@ -82,6 +82,14 @@ def run_preflight(
         infos.append(info)
     if not infos:
         raise NoServerAvailable("no server answered /health: " + "; ".join(f"{s.name}: {m}" for s, m in down))
+    # A server whose context cannot hold max_tokens plus a prompt answers every request with a 400:
+    # refuse it now, not after it has committed a dataset of error rows.
+    small = [i for i in infos if i.context_length is not None and i.context_length <= cfg.sampling.max_tokens]
+    if small:
+        raise ConfigError("; ".join(
+            f"server {i.name}: context_length {i.context_length} cannot hold max_tokens {cfg.sampling.max_tokens} "
+            "plus a prompt" for i in small
+        ) + ": start it with a larger --context-length, or lower max_tokens")
 
     pinned_model_holder: dict[str, Any] = {}
 
