@@ -290,9 +290,10 @@ class LeaseKeeper:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
 
     def renew_due(self) -> None:
         now = time.monotonic()

@@ -1258,4 +1258,4 @@ class Worker:
                 continue  # the committer's: its conditional write decides
             if self.leases.move(lease, State.RELEASED, "main"):
                 self.chunks.release(lease, deadline_s=max(0.1, deadline - time.monotonic()))
-        self.keeper.stop()
+        self.keeper.stop(timeout_s=max(0.1, deadline - time.monotonic()))
