@@ -3,7 +3,8 @@
 
 Starts a local stack (moto S3, 3 simulated SGLang servers, Airflow with LocalExecutor), uploads
 data/sample_prompts.jsonl, triggers ``dflash_generate`` through the ``airflow dags trigger`` CLI,
-follows the run, prints the report, the UI link and the S3 paths, then stops everything it
+follows the run, prints the report, the UI link, the S3 paths and the exact
+``AIRFLOW_HOME=... .venv/bin/airflow ...`` line for the CLI against this stack, then stops everything it
 started (``--keep`` leaves it running until Ctrl-C).
 
     make demo                     # or: .venv/bin/python scripts/demo.py [--keep] [-v]
@@ -15,6 +16,8 @@ import argparse
 import fcntl
 import json
 import logging
+import os
+import shlex
 import shutil
 import signal
 import sys
@@ -26,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "include"))  # works even before `pip install -e .`
 
+from dflash_pipeline.dev.report_text import report_lines  # noqa: E402
 from dflash_pipeline.dev.stack import Stack, TaskInstanceInfo  # noqa: E402
 
 log = logging.getLogger("demo")
@@ -42,36 +46,20 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # same clean shutdown as Ctrl-C
 
 
-def _fmt_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.2f}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-    if isinstance(value, list):
-        return ", ".join(map(str, value[:5])) + (" ..." if len(value) > 5 else "") if value else "-"
-    return "-" if value is None else str(value)
-
-
-def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    print(line)
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.rjust(w) if c[:1].isdigit() else c.ljust(w) for c, w in zip(r, widths)))
-
-
 def print_report(report: dict[str, Any]) -> None:
-    per_server = report.get("per_server") or {}
-    nested = ("per_server", "checks", "token_stats", "token_recount", "files", "defect_ids_sample", "thresholds")
-    scalars = [[k, _fmt_value(v)] for k, v in report.items() if k not in nested]
-    print_table(["figure", "value"], scalars)
-    if per_server:
-        print()
-        cols = sorted({k for s in per_server.values() for k in s})
-        print_table(["server", *cols], [[name, *(_fmt_value(s.get(c)) for c in cols)] for name, s in per_server.items()])
+    print("\n".join(report_lines(report)))
+
+
+def cli_line(airflow_home: Path, *args: str) -> str:
+    """The exact command line for the venv's `airflow` against the demo stack (from the current directory).
+
+    Without AIRFLOW_HOME a plain `airflow` creates ~/airflow and reports an unmigrated database.
+    """
+    airflow = Path(sys.executable).parent / "airflow"
+    shown = os.path.relpath(airflow)  # `.venv/bin/airflow` from the repo (it has a slash: runs as a path)
+    if shown.startswith("..") or "/" not in shown:
+        shown = str(airflow)
+    return f"AIRFLOW_HOME={shlex.quote(str(airflow_home))} {shown} " + " ".join(shlex.quote(a) for a in args)
 
 
 class Follower:
@@ -160,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
             conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,
                     "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}"}
-            print(f"airflow dags trigger {DAG_ID} --conf '{json.dumps(conf)}'", flush=True)
+            print(cli_line(af.home, "dags", "trigger", DAG_ID, "--conf", json.dumps(conf)), flush=True)
             t1 = time.monotonic()
             run_id = af.trigger(DAG_ID, conf)
             print(f"Run {run_id}")
@@ -192,11 +180,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"        e.g. AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing aws --endpoint-url "
                   f"{stack.moto.endpoint_url} s3 ls --recursive s3://{BUCKET}/{OUTPUT_PREFIX}/")
             print(f"Logs:   {af.logs_dir}")
+            print(f"CLI:    {cli_line(af.home, 'dags', 'list-runs', DAG_ID)}")
+            print("        (this AIRFLOW_HOME, or a plain `airflow` creates ~/airflow and finds no migrated database;"
+                  " e.g. `dags trigger`, `tasks states-for-dag-run` the same way)")
             if args.keep:
-                print("\nThe stack keeps running. Press Ctrl-C (or kill -TERM this process) to stop it.", flush=True)
+                print("\nThe stack keeps running: the UI, S3 and the CLI line above work until you press Ctrl-C "
+                      "(or kill -TERM this process).", flush=True)
                 while True:
                     time.sleep(3600)
-            print("\nStopping everything the demo started ...", flush=True)
+            print("\nStopping everything the demo started ... (to keep the stack up for the UI and the CLI: "
+                  "make demo DEMO_ARGS=--keep)", flush=True)
     except KeyboardInterrupt:
         print("\nStopped everything the demo started (Airflow, the simulated servers, moto).")
         if state is None:  # interrupted before the run finished

@@ -150,6 +150,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any
         "report": None,
         "plot_urls": [],
         "report_md_url": None,
+        "report_url": None,
         "warnings": [],
         "links": [("Airflow run", f"/dags/{ui.quote_id(dag_id)}/runs/{ui.quote_id(run_id)}"),
                   ("all runs", f"{base}/"), ("JSON", f"{base}/api/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}")],
@@ -178,6 +179,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any
     if data["report"] is not None:
         view["plot_urls"] = [(n, f"{run_base}/plots/{n}") for n in data["plots"]]
         view["report_md_url"] = f"{run_base}/report.md"
+        view["report_url"] = f"{run_base}/report"
     # A finished run whose validation never wrote a report: stop refreshing anyway.
     validate_states = [t["state"] for t in tasks if t["task_id"] == "validate_and_count"]
     view["report_missing_final"] = bool(validate_states) and validate_states[0] in ("failed", "upstream_failed")
@@ -250,6 +252,15 @@ def create_app(url_prefix: str = URL_PREFIX) -> FastAPI:
             raise HTTPException(status_code=404, detail="no such plot")
         data, _ = _read_run_object(session, dag_id, run_id, name)
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
+
+    @app.get("/runs/{dag_id}/{run_id}/report", response_class=HTMLResponse, dependencies=[can_read_runs])
+    def report_html(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
+        """report.md rendered (the page's "full report" link); the raw Markdown stays at report.md."""
+        data, _ = _read_run_object(session, dag_id, run_id, "report.md")
+        run_base = f"{url_prefix}/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}"
+        body = ui.report_page(f"report \u00b7 {run_id}", data.decode("utf-8", errors="replace"),
+                              [("back to the run", run_base), ("report.md (Markdown source)", f"{run_base}/report.md")])
+        return HTMLResponse(body, headers={"Cache-Control": "no-store"})
 
     @app.get("/runs/{dag_id}/{run_id}/report.md", dependencies=[can_read_runs])
     def report_md(dag_id: str, run_id: str, session: SessionDep) -> PlainTextResponse:

@@ -78,6 +78,9 @@ class WorkerSettings:
     backoff_cap_s: float = 30.0
     poll_s: float = 1.0
     progress_every_s: float = 10.0
+    # Early in a run progress is published more often (every elapsed/10 s, at least this often), so
+    # a short run still draws a throughput curve; from 10 x progress_every_s on it is every_s.
+    progress_first_s: float = 1.0
     store_deadline_s: float = 600.0
     try_number: int = 1
     retry_failed_rows: str = "transient"
@@ -840,6 +843,12 @@ class Worker:
                 f"(server_lost_after_s={self.settings.server_lost_after_s:g})"
             )
 
+    def _progress_interval(self) -> float:
+        """Seconds between snapshots: a tenth of the time run so far, within [first_s, every_s]."""
+        s = self.settings
+        elapsed = time.monotonic() - self.stats.started_t
+        return min(s.progress_every_s, max(s.progress_first_s, elapsed / 10.0))
+
     def _progress(self, force: bool = False) -> None:
         """Log one compact line and hand a snapshot to `on_progress` (the page and ETA read it).
 
@@ -948,7 +957,7 @@ class Worker:
                         item = pool.out.get_nowait()
                     except queue.Empty:
                         item = None
-                if time.monotonic() - last_progress >= s.progress_every_s:
+                if time.monotonic() - last_progress >= self._progress_interval():
                     self._progress()
                     last_progress = time.monotonic()
         except BaseException:

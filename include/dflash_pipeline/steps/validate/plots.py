@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dflash_pipeline.config import short_server_labels
+
 if TYPE_CHECKING:
     from dflash_pipeline.steps.validate.histogram import Histogram, Histogram2D
 
@@ -88,22 +90,32 @@ def thinking_vs_answer(h2: Histogram2D, unit: str, skipped: int) -> bytes:
 
 
 def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
-    """Per server: output tokens produced, and output tokens per second of request time."""
-    fig, _ = _figure(max(6.0, min(16.0, 2.0 + 0.45 * len(per_server))), 4.2)
-    left, right = fig.subplots(1, 2)
+    """Per server: output tokens produced, and output tokens per second of request time.
+
+    Horizontal bars, one row per server, labelled with the host:port (or its tail): URLs side by
+    side under vertical bars overlapped into unreadable text. The report's table has full names.
+    """
+    from matplotlib.ticker import EngFormatter
+
     names = list(per_server)
-    x = np.arange(len(names))
+    labels = short_server_labels(names, max_len=28)
+    errors = [int(per_server[n].get("errors") or 0) for n in names]
+    labels = [f"{lab} ({e:,} err)" if e else lab for lab, e in zip(labels, errors)]
+    fig, _ = _figure(9.0, max(2.4, 1.3 + 0.32 * len(names)))
+    left, right = fig.subplots(1, 2, sharey=True)
+    y = np.arange(len(names))
     tokens = [per_server[n]["output_tokens"] for n in names]
     rate = [per_server[n].get("output_tokens_per_request_s") or 0.0 for n in names]
-    errors = [per_server[n]["errors"] for n in names]
-    left.bar(x, tokens, color="tab:blue")
-    left.set_title("output tokens", fontsize=10)
-    right.bar(x, rate, color="tab:green")
-    right.set_title("output tokens per request-second", fontsize=10)
-    labels = [f"{n[-24:]}\n({e} err)" if e else n[-24:] for n, e in zip(names, errors)]
-    for ax in (left, right):
-        ax.set_xticks(x, labels, rotation=60 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center",
-                      fontsize=7)
+    for ax, vals, color, title, fmt in ((left, tokens, "tab:blue", "output tokens", "{:,.0f}"),
+                                        (right, rate, "tab:green", "output tokens per request-second", "{:,.1f}")):
+        bars = ax.barh(y, vals, color=color)
+        ax.bar_label(bars, [fmt.format(v) for v in vals], padding=3, fontsize=7)
+        ax.set_title(title, fontsize=10)
+        ax.margins(x=0.18)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    left.set_yticks(y, labels, fontsize=8)
+    left.invert_yaxis()  # first server on top, as in the report's table
     return _png(fig)
 
 
