@@ -330,13 +330,18 @@ def test_stopped_and_stale_workers_do_not_count_as_live() -> None:
 
 
 def test_fleet_series_sums_the_servers_and_drops_stopped_ones() -> None:
-    a = {"server": "a", "every_s": 10.0, "history": [[0.0, 0, 0, 0, 100.0, 1], [10.0, 0, 0, 0, 100.0, 1],
-                                                      [20.0, 0, 0, 0, 100.0, 1]]}
-    b = {"server": "b", "every_s": 10.0, "history": [[10.0, 0, 0, 0, 50.0, 1], [60.0, 0, 0, 0, 50.0, 1]]}
+    # a: 100 tok/s from 0 to 20 s; b: 50 tok/s from 10 to 60 s (cumulative tokens in the history)
+    a = {"worker": "w0000", "server": "a", "every_s": 10.0,
+         "history": [[0.0, 0, 0, 0, 0.0, 1], [10.0, 0, 0, 1000, 100.0, 1], [20.0, 0, 0, 2000, 100.0, 1]]}
+    b = {"worker": "w0001", "server": "b", "every_s": 10.0,
+         "history": [[10.0, 0, 0, 0, 0.0, 1], [60.0, 0, 0, 2500, 50.0, 1]]}
     s = fleet_series([a, b])
-    by_t = dict(zip(s["t"], s["total"]))
-    assert by_t[0.0] == 100.0 and by_t[60.0] == 50.0
-    assert max(s["total"]) == 150.0
+    assert s["span_s"] == 60.0 and len(s["t"]) == 6 and s["bucket_s"] == 10.0
+    assert s["t"][0] == 5.0 and s["t"][-1] == 55.0
+    assert s["total"] == [100.0, 150.0, 50.0, 50.0, 50.0, 50.0]
+    assert [x["server"] for x in s["servers"]] == ["a", "b"]
+    assert s["servers"][0]["values"] == [100.0, 100.0, 0.0, 0.0, 0.0, 0.0]  # a stopped at 20 s
+    assert s["mean_output_tokens_per_s"] == pytest.approx(4500 / 60)
 
 
 # ---------------------------------------------------------------------------------- HTML
