@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the run")
     parser.add_argument("--home", type=Path, default=REPO / ".stack" / "demo",
                         help="stack state (wiped at start)")
+    parser.add_argument("--screenshot", type=Path, default=None,
+                        help="write a PNG of the finished run's progress page here (needs /usr/bin/chromium)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the stack's steps")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -180,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"        e.g. AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing aws --endpoint-url "
                   f"{stack.moto.endpoint_url} s3 ls --recursive s3://{BUCKET}/{OUTPUT_PREFIX}/")
             print(f"Logs:   {af.logs_dir}")
+            if args.screenshot is not None:
+                from dflash_pipeline.dev.browser import screenshot_run_page
+
+                try:
+                    shot = screenshot_run_page(af.url, DAG_ID, run_id, af.username, af.password, args.screenshot)
+                    print(f"Screenshot of the progress page: {shot}")
+                except Exception as exc:  # noqa: BLE001 - a screenshot must not cost the demo
+                    print(f"No screenshot: {type(exc).__name__}: {exc}")
             print(f"CLI:    {cli_line(af.home, 'dags', 'list-runs', DAG_ID)}")
             print("        (this AIRFLOW_HOME, or a plain `airflow` creates ~/airflow and finds no migrated database;"
                   " e.g. `dags trigger`, `tasks states-for-dag-run` the same way)")

@@ -161,11 +161,11 @@ def time_ticks(span_s: float, max_ticks: int = 8) -> list[float]:
 
 
 def _nice_max(v: float) -> float:
-    """The smallest of 1, 2, 2.5, 5 x 10^k at or above v (a y-axis top)."""
+    """The smallest round number (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 10^k) at or above v: a y-axis top."""
     if v <= 0:
         return 1.0
     base = 10 ** math.floor(math.log10(v))
-    return next(m * base for m in (1, 2, 2.5, 5, 10) if m * base >= v - 1e-9)
+    return next(m * base for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * base >= v - 1e-9)
 
 
 def _short_duration(seconds: float) -> str:
@@ -186,7 +186,7 @@ def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 22
     total = list(series["total"])
     servers: Sequence[Mapping[str, Any]] = series.get("servers") or []
     ymax = _nice_max(max([1.0, *total, *(v for srv in servers for v in srv["values"])]))
-    pad_l, pad_r, pad_b, pad_t = 56, 12, 36, 8
+    pad_l, pad_r, pad_b, pad_t = 70, 12, 36, 8
     w, h = width - pad_l - pad_r, height - pad_b - pad_t
 
     def x(sec: float) -> float:
@@ -220,8 +220,8 @@ def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 22
     axis = (f'<text x="{pad_l + w / 2}" y="{height - 3}" font-size="11" text-anchor="middle" fill="#374151">'
             f"time since the run started (run: {_e(format_duration(span))}; each point: "
             f'{_e(_short_duration(float(series.get("bucket_s") or 0.0)))} mean)</text>'
-            f'<text x="12" y="{pad_t + h / 2}" font-size="11" text-anchor="middle" fill="#374151" '
-            f'transform="rotate(-90 12 {pad_t + h / 2})">output tokens/s</text>')
+            f'<text x="11" y="{pad_t + h / 2}" font-size="11" text-anchor="middle" fill="#374151" '
+            f'transform="rotate(-90 11 {pad_t + h / 2})">output tokens/s</text>')
     return (f'<svg id="throughput" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
             f'role="img" aria-label="output tokens per second over time">{"".join(grid)}{"".join(lines)}{axis}</svg>'
             f'<div class="legend">{"".join(legend)}</div>')

@@ -101,7 +101,7 @@ def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
     labels = short_server_labels(names, max_len=28)
     errors = [int(per_server[n].get("errors") or 0) for n in names]
     labels = [f"{lab} ({e:,} err)" if e else lab for lab, e in zip(labels, errors)]
-    fig, _ = _figure(9.0, max(2.4, 1.3 + 0.32 * len(names)))
+    fig, _ = _figure(7.0, max(2.2, 1.1 + 0.36 * len(names)))
     left, right = fig.subplots(1, 2, sharey=True)
     y = np.arange(len(names))
     tokens = [per_server[n]["output_tokens"] for n in names]
@@ -109,12 +109,12 @@ def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
     for ax, vals, color, title, fmt in ((left, tokens, "tab:blue", "output tokens", "{:,.0f}"),
                                         (right, rate, "tab:green", "output tokens per request-second", "{:,.1f}")):
         bars = ax.barh(y, vals, color=color)
-        ax.bar_label(bars, [fmt.format(v) for v in vals], padding=3, fontsize=7)
+        ax.bar_label(bars, [fmt.format(v) for v in vals], padding=3, fontsize=9)
         ax.set_title(title, fontsize=10)
-        ax.margins(x=0.18)
-        ax.tick_params(axis="x", labelsize=7)
+        ax.margins(x=0.3)
+        ax.tick_params(axis="x", labelsize=8)
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
-    left.set_yticks(y, labels, fontsize=8)
+    left.set_yticks(y, labels, fontsize=9)
     left.invert_yaxis()  # first server on top, as in the report's table
     return _png(fig)
 
