@@ -204,7 +204,7 @@ def test_browser_logs_in_and_sees_the_finished_run(
             wait_for_plots(page)
             # The throughput chart: a line per server plus the fleet's, time ticks from 0.
             assert page.locator("#throughput polyline.server-line").count() == 2
-            assert page.locator("#throughput .xtick").first.inner_text() == "0"
+            assert page.locator("#throughput .xtick").first.text_content() == "0"
             assert page.locator("#throughput .xtick").count() >= 3
             page.screenshot(path=str(ARTIFACTS / "progress-page.png"), full_page=True)
             if not DOCS_SHOT.exists() or os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
