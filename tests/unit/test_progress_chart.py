@@ -166,3 +166,21 @@ def test_short_server_labels_are_distinct_and_short() -> None:
     long = [f"http://10.0.0.1:8000/v1/very/long/path/server-{i}" for i in range(2)]
     got = short_server_labels(long)
     assert len(set(got)) == 2 and all(len(x) <= 22 for x in got)
+
+
+@pytest.mark.parametrize(("elapsed", "expected"), [(0.0, 1.0), (5.0, 1.0), (30.0, 3.0), (100.0, 10.0), (50_000.0, 10.0)])
+def test_a_worker_reports_often_early_and_every_interval_later(elapsed: float, expected: float) -> None:
+    """A task shorter than progress_every_s still publishes about ten samples (the demo's ~10 s tasks)."""
+    import time
+
+    from dflash_pipeline.config import Sampling
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.serving.sglang import ServerSpec
+    from dflash_pipeline.steps.generate import Worker, WorkerSettings
+
+    settings = WorkerSettings(run_id=RUN, worker="w0000", server=ServerSpec("gpu0", "http://gpu0:30000"),
+                              model="m", sampling=Sampling(), concurrency=8)
+    worker = Worker(None, DatasetLayout("b", "ds"), {"chunks": {"sizes": [4]}, "plan_id": "p"},  # type: ignore[arg-type]
+                    settings)
+    worker.stats.started_t = time.monotonic() - elapsed
+    assert worker._progress_interval() == pytest.approx(expected, abs=0.05)
