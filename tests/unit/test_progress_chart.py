@@ -184,3 +184,14 @@ def test_a_worker_reports_often_early_and_every_interval_later(elapsed: float, e
                     settings)
     worker.stats.started_t = time.monotonic() - elapsed
     assert worker._progress_interval() == pytest.approx(expected, abs=0.05)
+
+
+def test_a_live_run_ends_at_what_every_live_worker_has_reported() -> None:
+    a = {"worker": "w0000", "server": "a", "history": [[0.0, 0, 0, 0, 0.0, 0], [10.0, 0, 0, 1000, 0.0, 1],
+                                                       [20.0, 0, 0, 2000, 0.0, 1]]}
+    b = {"worker": "w0001", "server": "b", "history": [[0.0, 0, 0, 0, 0.0, 0], [10.0, 0, 0, 1000, 0.0, 1],
+                                                       [18.0, 0, 0, 1800, 0.0, 1]]}
+    live = fleet_series([a, b], live=["w0000", "w0001"])
+    assert live["span_s"] == 18.0 and live["servers"][1]["values"][-1] == pytest.approx(100.0)
+    finished = fleet_series([a, b])  # b stopped at 18 s: nothing from it in the last 2 s of the 10-20 s bucket
+    assert finished["span_s"] == 20.0 and finished["servers"][1]["values"][-1] == pytest.approx(80.0)

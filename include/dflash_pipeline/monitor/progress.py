@@ -385,7 +385,7 @@ def _cumulative_at(hist: Sequence[tuple[float, float]], t: float) -> float:
 
 
 def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = SERIES_POINTS,
-                 start: float | None = None) -> dict[str, Any]:
+                 start: float | None = None, live: Iterable[str] = ()) -> dict[str, Any]:
     """Output tokens/s over the whole run, per worker and summed, in at most `points` buckets.
 
     Rates come from the cumulative output tokens of each worker's history (not from the rate it
@@ -393,7 +393,9 @@ def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = SERIES_POINTS,
     downsampled the history. The buckets span `start` (the run's start; else the first sample) to
     the last sample, and are no finer than the histories' sample spacing. `t` holds the buckets'
     middles in seconds since that start. A worker counts zero before its first and after its last
-    sample (not started yet, or stopped).
+    sample (not started yet, or stopped). While some workers are `live` (their worker names), the
+    series ends at the oldest of their latest samples: a live worker's newest tokens are not known
+    yet, and counting them as zero would draw a dip at the right edge.
     """
     workers: list[tuple[Mapping[str, Any], list[tuple[float, float]]]] = []
     for d in sorted(docs, key=lambda d: str(d.get("worker"))):
@@ -407,8 +409,11 @@ def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = SERIES_POINTS,
     first = min(rows[0][0] for _, rows in workers)
     t0 = first if start is None else min(start, first)
     t1 = max(rows[-1][0] for _, rows in workers)
+    live_ends = [rows[-1][0] for d, rows in workers if str(d.get("worker")) in set(live)]
+    if live_ends and min(live_ends) > t0:
+        t1 = min(live_ends)
     span = t1 - t0
-    active = t1 - first
+    active = max(rows[-1][0] for _, rows in workers) - first
     produced = sum(rows[-1][1] - rows[0][1] for _, rows in workers)
     mean = round(produced / active, 1) if active > 0 else None
     if span <= 0:
@@ -457,10 +462,13 @@ def aggregate(
     rate = 0.0
     completions = errors = tokens = in_flight = max_tokens = 0
     errors_by_class: dict[str, int] = {}
+    live_workers: list[str] = []
     for doc in sorted(docs, key=lambda d: str(d.get("worker"))):
         worker = str(doc.get("worker"))
         state = worker_state(doc, now, task_states.get(worker))
         live = state in LIVE_STATES
+        if live:
+            live_workers.append(worker)
         t = doc.get("totals") or {}
         c, e, tok = int(t.get("completions", 0)), int(t.get("errors", 0)), int(t.get("output_tokens", 0))
         completions, errors, tokens = completions + c, errors + e, tokens + tok
@@ -517,7 +525,7 @@ def aggregate(
         "rate_window_s": RATE_WINDOW_S,
         "eta_s": _round(eta),
         "servers": servers,
-        "series": fleet_series(docs, start=run_started_at),
+        "series": fleet_series(docs, start=run_started_at, live=live_workers),
     }
 
 
