@@ -409,7 +409,8 @@ def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = SERIES_POINTS,
     first = min(rows[0][0] for _, rows in workers)
     t0 = first if start is None else min(start, first)
     t1 = max(rows[-1][0] for _, rows in workers)
-    live_ends = [rows[-1][0] for d, rows in workers if str(d.get("worker")) in set(live)]
+    live_names = set(live)
+    live_ends = [rows[-1][0] for d, rows in workers if str(d.get("worker")) in live_names]
     if live_ends and min(live_ends) > t0:
         t1 = min(live_ends)
     span = t1 - t0
