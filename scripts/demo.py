@@ -3,7 +3,8 @@
 
 Starts a local stack (moto S3, 3 simulated SGLang servers, Airflow with LocalExecutor), uploads
 data/sample_prompts.jsonl, triggers ``dflash_generate`` through the ``airflow dags trigger`` CLI,
-follows the run, prints the report, the UI link and the S3 paths, then stops everything it
+follows the run, prints the report, the UI link, the S3 paths and the exact
+``AIRFLOW_HOME=... .venv/bin/airflow ...`` line for the CLI against this stack, then stops everything it
 started (``--keep`` leaves it running until Ctrl-C).
 
     make demo                     # or: .venv/bin/python scripts/demo.py [--keep] [-v]
@@ -15,7 +16,8 @@ import argparse
 import fcntl
 import json
 import logging
-import re
+import os
+import shlex
 import shutil
 import signal
 import sys
@@ -27,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "include"))  # works even before `pip install -e .`
 
+from dflash_pipeline.dev.report_text import report_lines  # noqa: E402
 from dflash_pipeline.dev.stack import Stack, TaskInstanceInfo  # noqa: E402
 
 log = logging.getLogger("demo")
@@ -43,44 +46,20 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # same clean shutdown as Ctrl-C
 
 
-def _fmt_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.2f}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in sorted(value.items())) or "-"
-    if isinstance(value, list):
-        return ", ".join(map(str, value[:5])) + (" ..." if len(value) > 5 else "") if value else "-"
-    return "-" if value is None else str(value)
-
-
-_NUMBER = re.compile(r"-?[\d,]+(\.\d+)?%?")
-
-
-def format_table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns padded to their widest cell; numbers right-aligned, everything else (dates, ids, names)
-    left-aligned, so a value like `2026-12-04T03:00:00+00:00` is not pushed right like a number."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "  ".join("-" * w for w in widths)]
-    for r in rows:
-        out.append("  ".join(c.rjust(w) if _NUMBER.fullmatch(c) else c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return out
-
-
-def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    print("\n".join(format_table(headers, rows)))
-
-
 def print_report(report: dict[str, Any]) -> None:
-    per_server = report.get("per_server") or {}
-    nested = ("per_server", "checks", "token_stats", "token_recount", "files", "defect_ids_sample", "thresholds")
-    scalars = [[k, _fmt_value(v)] for k, v in report.items() if k not in nested]
-    print_table(["figure", "value"], scalars)
-    if per_server:
-        print()
-        cols = sorted({k for s in per_server.values() for k in s})
-        print_table(["server", *cols], [[name, *(_fmt_value(s.get(c)) for c in cols)] for name, s in per_server.items()])
+    print("\n".join(report_lines(report)))
+
+
+def cli_line(airflow_home: Path, *args: str) -> str:
+    """The exact command line for the venv's `airflow` against the demo stack (from the current directory).
+
+    Without AIRFLOW_HOME a plain `airflow` creates ~/airflow and reports an unmigrated database.
+    """
+    airflow = Path(sys.executable).parent / "airflow"
+    shown = os.path.relpath(airflow)  # `.venv/bin/airflow` from the repo (it has a slash: runs as a path)
+    if shown.startswith("..") or "/" not in shown:
+        shown = str(airflow)
+    return f"AIRFLOW_HOME={shlex.quote(str(airflow_home))} {shown} " + " ".join(shlex.quote(a) for a in args)
 
 
 class Follower:
@@ -112,35 +91,6 @@ class Follower:
                 print(f"  {stamp}  {name:<22} {ti.state or 'none'}{tries}", flush=True)
 
 
-def screenshot(af: Any, run_id: str, path: Path) -> None:
-    """Log in through Airflow's login page and save the run's progress page (full page) as PNG."""
-    from urllib.parse import quote
-
-    chromium = Path("/usr/bin/chromium")
-    if not chromium.exists():
-        print(f"no screenshot: {chromium} is missing (apt-get install -y chromium)", file=sys.stderr)
-        return
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(chromium), args=["--headless", "--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{af.url}/dflash/runs/{quote(DAG_ID, safe='')}/{quote(run_id, safe='')}")
-            page.get_by_role("link", name="Log in to Airflow").click()
-            page.get_by_label("Username").fill(af.username)
-            page.get_by_label("Password").fill(af.password)
-            page.get_by_role("button", name="Sign in").click()
-            page.wait_for_selector("#run-progress")
-            page.wait_for_function("Array.from(document.querySelectorAll('.plots img'))"
-                                   ".every(i => i.complete && i.naturalWidth > 0)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(path), full_page=True)
-            print(f"Screenshot: {path}")
-        finally:
-            browser.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run dflash_generate end to end on a local stack.")
     parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
@@ -152,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the run")
     parser.add_argument("--home", type=Path, default=REPO / ".stack" / "demo",
                         help="stack state (wiped at start)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the stack's steps")
     parser.add_argument("--screenshot", type=Path, default=None,
-                        help="save a PNG of the finished run's progress page (needs /usr/bin/chromium)")
+                        help="write a PNG of the finished run's progress page here (needs /usr/bin/chromium)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the stack's steps")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -200,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
             conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,
                     "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}"}
-            print(f"airflow dags trigger {DAG_ID} --conf '{json.dumps(conf)}'", flush=True)
+            print(cli_line(af.home, "dags", "trigger", DAG_ID, "--conf", json.dumps(conf)), flush=True)
             t1 = time.monotonic()
             run_id = af.trigger(DAG_ID, conf)
             print(f"Run {run_id}")
@@ -233,16 +183,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"{stack.moto.endpoint_url} s3 ls --recursive s3://{BUCKET}/{OUTPUT_PREFIX}/")
             print(f"Logs:   {af.logs_dir}")
             if args.screenshot is not None:
-                screenshot(af, run_id, args.screenshot)
-            print(f"CLI:    AIRFLOW_HOME={af.home} {REPO / '.venv' / 'bin' / 'airflow'} dags list-runs {DAG_ID}")
-            print("        (plain `airflow ...` in the venv would use ~/airflow, a different, empty database)")
-            if not args.keep:
-                print("To keep the stack running for the UI and the CLI: make demo DEMO_ARGS=--keep")
+                from dflash_pipeline.dev.browser import screenshot_run_page
+
+                try:
+                    shot = screenshot_run_page(af.url, DAG_ID, run_id, af.username, af.password, args.screenshot)
+                    print(f"Screenshot of the progress page: {shot}")
+                except Exception as exc:  # noqa: BLE001 - a screenshot must not cost the demo
+                    print(f"No screenshot: {type(exc).__name__}: {exc}")
+            print(f"CLI:    {cli_line(af.home, 'dags', 'list-runs', DAG_ID)}")
+            print("        (this AIRFLOW_HOME, or a plain `airflow` creates ~/airflow and finds no migrated database;"
+                  " e.g. `dags trigger`, `tasks states-for-dag-run` the same way)")
             if args.keep:
-                print("\nThe stack keeps running. Press Ctrl-C (or kill -TERM this process) to stop it.", flush=True)
+                print("\nThe stack keeps running: the UI, S3 and the CLI line above work until you press Ctrl-C "
+                      "(or kill -TERM this process).", flush=True)
                 while True:
                     time.sleep(3600)
-            print("\nStopping everything the demo started ...", flush=True)
+            print("\nStopping everything the demo started ... (to keep the stack up for the UI and the CLI: "
+                  "make demo DEMO_ARGS=--keep)", flush=True)
     except KeyboardInterrupt:
         print("\nStopped everything the demo started (Airflow, the simulated servers, moto).")
         if state is None:  # interrupted before the run finished

@@ -400,3 +400,34 @@ def _check_schema(name: str, value: Any, schema: dict[str, Any]) -> None:
         if item_schema:
             for item in value:
                 _check_schema(f"{name}[]", item, item_schema)
+
+
+def short_server_labels(names: list[str], max_len: int = 22) -> list[str]:
+    """Short, still distinct labels for server names (URLs or connection ids), for plot axes.
+
+    Full URLs side by side overlap on an axis; what tells servers apart is the host:port. The
+    scheme, path and the hosts' DNS domain go (`http://gpu3.cluster.internal:30000` is
+    `gpu3:30000`) as long as the labels stay distinct, else the whole host:port is kept; a label
+    still longer than `max_len` keeps its end behind an ellipsis, unless that makes two equal.
+    """
+    from urllib.parse import urlsplit
+
+    def host_port(name: str, domain: bool) -> str:
+        if "://" not in name:
+            return name  # a connection id
+        parts = urlsplit(name)
+        host = parts.hostname or name
+        if not domain and not host.replace(".", "").isdigit() and ":" not in host:
+            host = host.split(".", 1)[0]
+        if ":" in host:
+            host = f"[{host}]"  # IPv6
+        return f"{host}:{parts.port}" if parts.port else host
+
+    distinct = len(set(names))
+    labels = [host_port(n, domain=False) for n in names]
+    if len(set(labels)) < distinct:
+        labels = [host_port(n, domain=True) for n in names]
+    if len(set(labels)) < distinct:
+        labels = [n.split("://", 1)[-1].rstrip("/") or n for n in names]
+    short = [b if len(b) <= max_len else "\u2026" + b[-(max_len - 1):] for b in labels]
+    return short if len(set(short)) == len(set(labels)) else labels

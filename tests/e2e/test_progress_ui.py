@@ -21,6 +21,7 @@ from urllib.parse import quote
 import pytest
 import requests
 
+from dflash_pipeline.dev.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, wait_for_plots
 from dflash_pipeline.dev.stack import AirflowStack, MotoServer
 
 pytestmark = pytest.mark.slow
@@ -29,11 +30,6 @@ DAG = "dflash_generate"
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 DOCS_SHOT = REPO / "docs" / "progress-page.png"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 N = 800
 SAVE_EVERY = 50
 
@@ -164,6 +160,15 @@ def test_endpoints_follow_a_run_and_refuse_anonymous_requests(
         assert resp.content[:8] == b"\x89PNG\r\n\x1a\n"
     md = airflow_stack.rest("GET", view["report_md_url"])
     assert md.status_code == 200 and "dflash-pipeline report" in md.text
+    rendered = airflow_stack.rest("GET", view["report_url"])
+    assert rendered.status_code == 200 and rendered.headers["content-type"].startswith("text/html")
+    assert "<h1>dflash-pipeline report" in rendered.text and "<table>" in rendered.text
+    # The throughput series spans the run from its start and has every server, busy mid-run.
+    series = p["series"]
+    assert series["span_s"] >= 20 and len(series["t"]) >= 10, series
+    assert sorted(x["server"] for x in series["servers"]) == sorted(ui_fleet.urls)
+    for x in series["servers"]:
+        assert max(x["values"]) > 0 and sum(1 for v in x["values"] if v > 0) >= 5, x
     assert airflow_stack.rest("GET", f"/dflash/runs/{_run_path(run_id)}/plots/..%2Fmanifest.json").status_code == 404
     page = airflow_stack.rest("GET", f"/dflash/runs/{_run_path(run_id)}")
     assert page.status_code == 200 and 'data-final="1"' in page.text and 'id="report"' in page.text
@@ -182,7 +187,7 @@ def test_browser_logs_in_and_sees_the_finished_run(
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page = browser.new_page(viewport=VIEWPORT)
             page.set_default_timeout(60_000)
             # Not logged in: the plugin refuses and offers Airflow's login.
             page.goto(f"{url}/dflash/runs/{_run_path(run_id)}")
@@ -196,20 +201,20 @@ def test_browser_logs_in_and_sees_the_finished_run(
             assert page.locator("#run-progress").get_attribute("aria-valuenow") == str(N)
             assert page.locator(".server-progress").count() == 2
             assert page.locator("#report .badge").first.inner_text() == "passed"
-            page.wait_for_function("Array.from(document.querySelectorAll('.plots img'))"
-                                   ".every(i => i.complete && i.naturalWidth > 0)")
+            wait_for_plots(page)
+            # The throughput chart: a line per server plus the fleet's, time ticks from 0.
+            assert page.locator("#throughput polyline.server-line").count() == 2
+            assert page.locator("#throughput .xtick").first.text_content() == "0"
+            assert page.locator("#throughput .xtick").count() >= 3
             page.screenshot(path=str(ARTIFACTS / "progress-page.png"), full_page=True)
             if not DOCS_SHOT.exists() or os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
                 page.screenshot(path=str(DOCS_SHOT), full_page=True)
-            # The throughput chart draws the fleet and every server, over the whole run.
-            assert page.locator("#throughput polyline").count() == 3
-            assert page.locator("#throughput text").count() >= 5, "a time axis with ticks"
-            # report.md opens rendered, not as raw Markdown.
-            page.get_by_role("link", name="report.md", exact=True).click()
-            page.locator("h1").first.wait_for()
-            assert page.locator("h1").first.inner_text().startswith("dflash-pipeline report")
-            assert page.locator("table").count() >= 2 and "|---|" not in page.content()
-            page.go_back()
+
+            # The full report, rendered from report.md (not served as raw Markdown).
+            page.locator("#report-link").click()
+            page.wait_for_selector("#report-md table")
+            assert page.locator("#report-md h1").inner_text().startswith("dflash-pipeline report")
+            page.screenshot(path=str(ARTIFACTS / "report-page.png"), full_page=True)
 
             # The same page as a tab of the DAG run in Airflow's UI (an iframe, same cookie).
             page.goto(f"{url}/dags/{DAG}/runs/{quote(run_id, safe='')}/plugin/dflash-progress")

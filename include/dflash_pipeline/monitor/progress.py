@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,6 +28,10 @@ PROGRESS_FORMAT = 1
 #: History samples kept per worker; when full, every other sample is dropped (the whole run stays
 #: covered, at half the resolution), so an object stays a few KB however long the run.
 HISTORY_MAX = 240
+#: Buckets of the throughput-over-time series (the page's chart), whatever the run's length.
+SERIES_POINTS = 120
+#: Snapshots kept for the history while a PUT is under way (beyond this the oldest are dropped).
+UNRECORDED_MAX = 32
 #: No ETA before this many completions: the first ones are the short ones of a long-tailed mix.
 MIN_COMPLETIONS_FOR_ETA = 20
 #: Window of the output-token rate the ETA divides by.
@@ -206,6 +211,10 @@ class ProgressWriter:
         self.failures = 0
         self._cond = threading.Condition()
         self._waiting: tuple[float, dict[str, Any]] | None = None
+        # Snapshots not yet in the history: a PUT under way lets newer snapshots replace the waiting
+        # one, but each still becomes a history sample.
+        self._unrecorded: list[tuple[float, dict[str, Any]]] = []
+        self._started = False
         self._busy = False
         self._carried: dict[str, Any] | None = None
         self._history: list[list[float]] = []
@@ -219,6 +228,7 @@ class ProgressWriter:
         try:
             with self._cond:
                 self._waiting = (self.clock(), dict(snapshot))
+                self._unrecorded = [*self._unrecorded[-(UNRECORDED_MAX - 1):], self._waiting]
                 self._last = (time.monotonic(), dict(snapshot))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="progress-writer", daemon=True)
@@ -250,10 +260,12 @@ class ProgressWriter:
                         if heartbeat is not None:
                             self._waiting = (self.clock(), heartbeat)
                 now, snapshot = self._waiting
+                earlier = [x for x in self._unrecorded if x is not self._waiting]
                 self._waiting = None
+                self._unrecorded = []
                 self._busy = True
             try:
-                self.write(snapshot, now)
+                self.write(snapshot, now, earlier=earlier)
             finally:
                 with self._cond:
                     self._busy = False
@@ -283,6 +295,14 @@ class ProgressWriter:
 
     def _record(self, snapshot: Mapping[str, Any], now: float) -> None:
         assert self._carried is not None
+        if not self._started:
+            # This try's start (tokens as carried, nothing in flight): the curve begins where the
+            # task began, not at its first report an interval later.
+            self._started = True
+            start = round(now - float(snapshot.get("elapsed_s") or 0.0), 1)
+            if start < now and (not self._history or start > self._history[-1][H_T]):
+                self._history.append([start, int(self._carried["completions"]), int(self._carried["errors"]),
+                                      int(self._carried["output_tokens"]), 0.0, 0])
         sample = [
             round(now, 1),
             int(self._carried["completions"]) + int(snapshot.get("completions", 0)),
@@ -300,11 +320,18 @@ class ProgressWriter:
             span = self._history[-1][H_T] - self._history[0][H_T]
             self._min_gap_s = span / max(1, len(self._history) - 1)
 
-    def write(self, snapshot: Mapping[str, Any], now: float | None = None) -> bool:
-        """Build and PUT the object now (the writer thread calls this); True if it was stored."""
+    def write(self, snapshot: Mapping[str, Any], now: float | None = None,
+              earlier: Sequence[tuple[float, Mapping[str, Any]]] = ()) -> bool:
+        """Build and PUT the object now (the writer thread calls this); True if it was stored.
+
+        `earlier` are snapshots that were replaced before they were written: history samples only.
+        """
         now = self.clock() if now is None else now
         if self._carried is None:
             self._carried = self._load_carried()
+        for t, snap in earlier:
+            if t <= now:
+                self._record(snap, t)
         self._record(snapshot, now)
         self._max_tokens = max(self._max_tokens, int(snapshot.get("max_completion_tokens_recent", 0)))
         doc = progress_doc(snapshot, self._carried, self._history, now, self.every_s, self.n_servers,
@@ -340,47 +367,73 @@ def worker_state(doc: Mapping[str, Any], now: float, task_state: str | None = No
     return state
 
 
-def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = 120) -> dict[str, Any]:
-    """Output tokens/s over the whole run: per server and summed, on a common grid of at most `points`.
+def _cumulative_at(hist: Sequence[tuple[float, float]], t: float) -> float:
+    """Output tokens a worker had produced by time `t`: linear between samples, flat outside them."""
+    if t <= hist[0][0]:
+        return hist[0][1]
+    if t >= hist[-1][0]:
+        return hist[-1][1]
+    lo, hi = 0, len(hist) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hist[mid][0] <= t:
+            lo = mid
+        else:
+            hi = mid
+    (ta, ca), (tb, cb) = hist[lo], hist[hi]
+    return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else cb
 
-    Rates come from each worker's cumulative output tokens (the difference between grid times, the
-    tokens interpolated linearly between samples), not from the instantaneous rate in a sample: a
-    short run with two samples per worker still draws every server over the whole span, and a
-    16-hour run is downsampled to `points` buckets whose rates are exact averages. A worker counts
-    as 0 before its first sample and after its last.
+
+def fleet_series(docs: Sequence[Mapping[str, Any]], points: int = SERIES_POINTS,
+                 start: float | None = None, live: Iterable[str] = ()) -> dict[str, Any]:
+    """Output tokens/s over the whole run, per worker and summed, in at most `points` buckets.
+
+    Rates come from the cumulative output tokens of each worker's history (not from the rate it
+    last reported), so a bucket's value is the tokens really produced in it, however sparse or
+    downsampled the history. The buckets span `start` (the run's start; else the first sample) to
+    the last sample, and are no finer than the histories' sample spacing. `t` holds the buckets'
+    middles in seconds since that start. A worker counts zero before its first and after its last
+    sample (not started yet, or stopped). While some workers are `live` (their worker names), the
+    series ends at the oldest of their latest samples: a live worker's newest tokens are not known
+    yet, and counting them as zero would draw a dip at the right edge.
     """
-    hists: dict[str, list[list[float]]] = {}
-    for d in docs:
-        name = str(d.get("server", d.get("worker")))
-        hist = sorted((list(h) for h in d.get("history") or [] if len(h) > H_TOKENS), key=lambda h: h[H_T])
-        hists.setdefault(name, []).extend(hist)
-    times = [h[H_T] for hist in hists.values() for h in hist]
-    if not times or max(times) <= min(times):
-        return {"t": [], "total": [], "servers": {}}
-    t0, t1 = min(times), max(times)
-    n = max(2, min(points, int(t1 - t0) + 1))
-    grid = [t0 + (t1 - t0) * i / (n - 1) for i in range(n)]
-
-    def cumulative(hist: list[list[float]], t: float) -> float:
-        if t <= hist[0][H_T]:
-            return float(hist[0][H_TOKENS])
-        for a, b in zip(hist, hist[1:]):
-            if t <= b[H_T]:
-                span = b[H_T] - a[H_T]
-                frac = (t - a[H_T]) / span if span > 0 else 1.0
-                return float(a[H_TOKENS]) + frac * (float(b[H_TOKENS]) - float(a[H_TOKENS]))
-        return float(hist[-1][H_TOKENS])
-
-    per: dict[str, list[float]] = {}
-    for name, hist in hists.items():
-        if not hist:
-            continue
-        cum = [cumulative(hist, t) for t in grid]
-        # A rate per grid interval, plotted at its end; the first point is the run's start (0).
-        per[name] = [0.0] + [round(max(0.0, (cum[i] - cum[i - 1]) / (grid[i] - grid[i - 1])), 1)
-                             for i in range(1, n)]
-    total = [round(sum(v[i] for v in per.values()), 1) for i in range(n)]
-    return {"t": [round(t, 1) for t in grid], "total": total, "servers": per}
+    workers: list[tuple[Mapping[str, Any], list[tuple[float, float]]]] = []
+    for d in sorted(docs, key=lambda d: str(d.get("worker"))):
+        rows = sorted((float(h[H_T]), float(h[H_TOKENS])) for h in d.get("history") or [] if len(h) > H_TOKENS)
+        if rows:
+            workers.append((d, rows))
+    empty: dict[str, Any] = {"t0": start, "span_s": 0.0, "bucket_s": 0.0, "t": [], "total": [], "servers": [],
+                             "mean_output_tokens_per_s": None}
+    if not workers:
+        return empty
+    first = min(rows[0][0] for _, rows in workers)
+    t0 = first if start is None else min(start, first)
+    t1 = max(rows[-1][0] for _, rows in workers)
+    live_names = set(live)
+    live_ends = [rows[-1][0] for d, rows in workers if str(d.get("worker")) in live_names]
+    if live_ends and min(live_ends) > t0:
+        t1 = min(live_ends)
+    span = t1 - t0
+    active = max(rows[-1][0] for _, rows in workers) - first
+    produced = sum(rows[-1][1] - rows[0][1] for _, rows in workers)
+    mean = round(produced / active, 1) if active > 0 else None
+    if span <= 0:
+        return {**empty, "t0": t0, "mean_output_tokens_per_s": mean}
+    gaps = sorted(b[0] - a[0] for _, rows in workers for a, b in zip(rows, rows[1:]) if b[0] > a[0])
+    spacing = gaps[len(gaps) // 2] if gaps else span
+    n = max(1, min(points, math.ceil(span / max(spacing, 1e-9) - 1e-9)))
+    width = span / n
+    edges = [t0 + width * i for i in range(n + 1)]
+    servers = []
+    for d, rows in workers:
+        cum = [_cumulative_at(rows, e) for e in edges]
+        rates = [round(max(0.0, (cum[i + 1] - cum[i]) / width), 1) for i in range(n)]
+        servers.append({"worker": str(d.get("worker")), "server": str(d.get("server", d.get("worker"))),
+                        "values": rates})
+    total = [round(sum(s["values"][i] for s in servers), 1) for i in range(n)]
+    return {"t0": t0, "span_s": round(span, 3), "bucket_s": round(width, 3),
+            "t": [round(width * (i + 0.5), 3) for i in range(n)], "total": total, "servers": servers,
+            "mean_output_tokens_per_s": mean}
 
 
 def aggregate(
@@ -410,10 +463,13 @@ def aggregate(
     rate = 0.0
     completions = errors = tokens = in_flight = max_tokens = 0
     errors_by_class: dict[str, int] = {}
+    live_workers: list[str] = []
     for doc in sorted(docs, key=lambda d: str(d.get("worker"))):
         worker = str(doc.get("worker"))
         state = worker_state(doc, now, task_states.get(worker))
         live = state in LIVE_STATES
+        if live:
+            live_workers.append(worker)
         t = doc.get("totals") or {}
         c, e, tok = int(t.get("completions", 0)), int(t.get("errors", 0)), int(t.get("output_tokens", 0))
         completions, errors, tokens = completions + c, errors + e, tokens + tok
@@ -470,7 +526,7 @@ def aggregate(
         "rate_window_s": RATE_WINDOW_S,
         "eta_s": _round(eta),
         "servers": servers,
-        "series": fleet_series(docs),
+        "series": fleet_series(docs, start=run_started_at, live=live_workers),
     }
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote
 
+from dflash_pipeline.config import short_server_labels
 from dflash_pipeline.monitor.progress import format_duration
 
 TERMINAL = frozenset({"success", "failed"})
@@ -38,6 +40,7 @@ th{font-weight:600;border-bottom:1px solid #e5e7eb}td.n,th.n{text-align:right}
 .err{color:#991b1b}.plots{display:flex;flex-wrap:wrap;gap:8px;align-items:flex-start}
 .plots img{max-width:min(100%,620px);border:1px solid #e5e7eb}
 .cols{display:flex;flex-wrap:wrap;gap:28px;align-items:flex-start}
+.md table td,.md table th{border-bottom:1px solid #f3f4f6}.md code{font-size:12px}
 .legend span{margin-right:12px;font-size:12px}.legend i{display:inline-block;width:10px;height:3px;margin-right:4px;vertical-align:middle}
 """
 
@@ -131,100 +134,94 @@ def server_bar(s: Mapping[str, Any]) -> str:
             f"</b></div>")
 
 
-def _inline_md(text: str) -> str:
-    """`code` and **bold** of our report's Markdown, everything else escaped."""
-    out = []
-    for i, piece in enumerate(text.split("`")):
-        if i % 2:
-            out.append(f'<code>{_e(piece)}</code>')
-        else:
-            bold = _e(piece).split("**")
-            out.append("".join(f"<b>{b}</b>" if j % 2 else b for j, b in enumerate(bold)))
-    return "".join(out)
+_TICK_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 14400, 21600, 43200, 86400)
 
 
-def markdown_html(md: str) -> str:
-    """HTML of the Markdown validation writes (headings, pipe tables, `- ` lists, paragraphs):
-    the report.md link shows a page, not raw Markdown. Anything else is shown as escaped text."""
-    html: list[str] = []
-    lines = md.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i].rstrip()
-        if not line:
-            i += 1
-        elif line.startswith("#"):
-            level = min(4, len(line) - len(line.lstrip("#")))
-            html.append(f"<h{level}>{_inline_md(line[level:].strip())}</h{level}>")
-            i += 1
-        elif line.startswith("|"):
-            rows = []
-            while i < len(lines) and lines[i].startswith("|"):
-                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
-                if not all(set(c) <= set("-: ") for c in cells):
-                    rows.append(cells)
-                i += 1
-            head, body = rows[0], rows[1:]
-            html.append("<table><thead><tr>" + "".join(f"<th>{_inline_md(c)}</th>" for c in head) + "</tr></thead>"
-                        "<tbody>" + "".join("<tr>" + "".join(f"<td>{_inline_md(c)}</td>" for c in r) + "</tr>"
-                                            for r in body) + "</tbody></table>")
-        elif line.startswith("- "):
-            items = []
-            while i < len(lines) and lines[i].startswith("- "):
-                items.append(f"<li>{_inline_md(lines[i][2:])}</li>")
-                i += 1
-            html.append("<ul>" + "".join(items) + "</ul>")
-        else:
-            html.append(f"<p>{_inline_md(line)}</p>")
-            i += 1
-    return "".join(html)
+def duration_tick(seconds: float) -> str:
+    """An axis label in the run's own units: 0, 45s, 2m, 1m 30s, 3h, 1h 30m."""
+    s = int(round(seconds))
+    if s == 0:
+        return "0"
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    if h:
+        return f"{h}h {m:02d}m" if m else f"{h}h"
+    if m:
+        return f"{m}m {sec:02d}s" if sec else f"{m}m"
+    return f"{sec}s"
 
 
-def short_label(name: str, limit: int = 28) -> str:
-    """A server's name short enough for a legend or an axis: host:port without the scheme, else
-    its tail (the full name goes in a tooltip)."""
-    text = name.split("://", 1)[-1].rstrip("/")
-    return text if len(text) <= limit else "\u2026" + text[-(limit - 1):]
+def time_ticks(span_s: float, max_ticks: int = 8) -> list[float]:
+    """Tick positions (seconds since the start) at a round step, at most `max_ticks` + 1 of them."""
+    if span_s <= 0:
+        return [0.0]
+    step = next((st for st in _TICK_STEPS_S if span_s / st <= max_ticks), None)
+    if step is None:
+        step = 86400 * math.ceil(span_s / 86400 / max_ticks)
+    return [float(i * step) for i in range(int(span_s // step) + 1)]
 
 
-def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 200) -> str:
-    """Output tokens/s over time: the fleet's sum (thick) and each server (thin)."""
+def _nice_max(v: float) -> float:
+    """The smallest round number (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8 x 10^k) at or above v: a y-axis top."""
+    if v <= 0:
+        return 1.0
+    base = 10 ** math.floor(math.log10(v))
+    return next(m * base for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * base >= v - 1e-9)
+
+
+def _short_duration(seconds: float) -> str:
+    """format_duration, but with a decimal below ten seconds (a demo's buckets are sub-second)."""
+    return f"{seconds:.2g}s" if seconds < 10 else format_duration(seconds)
+
+
+def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 220) -> str:
+    """Output tokens/s over the whole run: the fleet's sum (thick) and each server (thin).
+
+    The x axis is time since the run started, ticked at round steps of its own length (seconds
+    for a demo, hours for a long run); a server's line carries its full name as a tooltip.
+    """
     t = list(series.get("t") or [])
-    if len(t) < 2:
+    span = float(series.get("span_s") or 0.0)
+    if len(t) < 2 or span <= 0:
         return '<p class="muted">Throughput appears after the first two progress samples.</p>'
     total = list(series["total"])
-    servers: Mapping[str, Sequence[float]] = series.get("servers") or {}
-    ymax = max([1.0, *total, *(v for vals in servers.values() for v in vals)]) * 1.1
-    pad_l, pad_b, pad_t = 52, 22, 8
-    w, h = width - pad_l - 8, height - pad_b - pad_t
-    t0, span = t[0], max(1e-9, t[-1] - t[0])
+    servers: Sequence[Mapping[str, Any]] = series.get("servers") or []
+    ymax = _nice_max(max([1.0, *total, *(v for srv in servers for v in srv["values"])]))
+    pad_l, pad_r, pad_b, pad_t = 70, 12, 36, 8
+    w, h = width - pad_l - pad_r, height - pad_b - pad_t
+
+    def x(sec: float) -> float:
+        return pad_l + w * sec / span
 
     def pts(vals: Sequence[float]) -> str:
-        return " ".join(f"{pad_l + w * (ti - t0) / span:.1f},{pad_t + h * (1 - v / ymax):.1f}" for ti, v in zip(t, vals))
+        return " ".join(f"{x(ti):.1f},{pad_t + h * (1 - v / ymax):.1f}" for ti, v in zip(t, vals))
 
+    labels = short_server_labels([str(srv["server"]) for srv in servers])
     lines = []
-    legend = ['<span><i style="background:#111827;height:4px"></i>fleet</span>']
-    for i, (name, vals) in enumerate(sorted(servers.items())):
+    legend = ['<span title="sum of every server"><i style="background:#111827;height:4px"></i>fleet</span>']
+    for i, (srv, label) in enumerate(zip(servers, labels)):
         color = _PALETTE[i % len(_PALETTE)]
-        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="{pts(vals)}">'
-                     f"<title>{_e(name)}</title></polyline>")
-        legend.append(f'<span title="{_e(name)}"><i style="background:{color}"></i>{_e(short_label(name))}</span>')
-    lines.append(f'<polyline fill="none" stroke="#111827" stroke-width="2.4" points="{pts(total)}"/>')
+        full = f'{srv["server"]} ({srv["worker"]})'
+        lines.append(f'<polyline class="server-line" data-server="{_e(srv["server"])}" fill="none" stroke="{color}" '
+                     f'stroke-width="1.4" points="{pts(srv["values"])}"><title>{_e(full)}</title></polyline>')
+        legend.append(f'<span title="{_e(full)}"><i style="background:{color}"></i>{_e(label)}</span>')
+    lines.append(f'<polyline class="fleet-line" fill="none" stroke="#111827" stroke-width="2.4" '
+                 f'points="{pts(total)}"><title>fleet</title></polyline>')
     grid = []
-    for frac in (0.0, 0.5, 1.0):
-        val = ymax / 1.1 * frac
-        y = pad_t + h * (1 - val / ymax)
-        grid.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>'
-                    f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end" fill="#6b7280">{val:,.0f}</text>')
-    ticks = []
     for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        x = pad_l + w * frac
-        anchor = "start" if frac == 0 else ("end" if frac == 1 else "middle")
-        ticks.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{pad_t + h}" y2="{pad_t + h + 4}" stroke="#9ca3af"/>'
-                     f'<text x="{x:.1f}" y="{height - 5}" font-size="11" text-anchor="{anchor}" fill="#6b7280">'
-                     f'{"0" if frac == 0 else _e(format_duration(span * frac))}</text>')
-    axis = "".join(ticks) + (f'<text x="{pad_l + 4}" y="{pad_t + 12}" font-size="11" fill="#6b7280">'
-                             "output tokens/s since the first sample</text>")
+        val = ymax * frac
+        y = pad_t + h * (1 - frac)
+        grid.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>'
+                    f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end" fill="#6b7280">'
+                    f"{val:,.0f}</text>")
+    for tick in time_ticks(span):
+        grid.append(f'<line x1="{x(tick):.1f}" x2="{x(tick):.1f}" y1="{pad_t + h}" y2="{pad_t + h + 4}" '
+                    f'stroke="#9ca3af"/><text class="xtick" x="{x(tick):.1f}" y="{pad_t + h + 16}" font-size="11" '
+                    f'text-anchor="middle" fill="#6b7280">{_e(duration_tick(tick))}</text>')
+    axis = (f'<text x="{pad_l + w / 2}" y="{height - 3}" font-size="11" text-anchor="middle" fill="#374151">'
+            f"time since the run started (run: {_e(format_duration(span))}; each point: "
+            f'{_e(_short_duration(float(series.get("bucket_s") or 0.0)))} mean)</text>'
+            f'<text x="11" y="{pad_t + h / 2}" font-size="11" text-anchor="middle" fill="#374151" '
+            f'transform="rotate(-90 11 {pad_t + h / 2})">output tokens/s</text>')
     return (f'<svg id="throughput" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
             f'role="img" aria-label="output tokens per second over time">{"".join(grid)}{"".join(lines)}{axis}</svg>'
             f'<div class="legend">{"".join(legend)}</div>')
@@ -260,10 +257,10 @@ def servers_table(p: Mapping[str, Any]) -> str:
 
 
 def rate_kpi(p: Mapping[str, Any], run_state: str | None) -> tuple[str, str]:
-    """The fleet's recent rate while running; once finished, its mean over the recorded history."""
-    total = list((p.get("series") or {}).get("total") or [])
-    if run_state in TERMINAL and len(total) > 1:
-        return "output tok/s (fleet, mean)", _n(round(sum(total[1:]) / (len(total) - 1)))
+    """The fleet's recent rate while running; once finished, its mean from first start to last report."""
+    mean = (p.get("series") or {}).get("mean_output_tokens_per_s")
+    if run_state in TERMINAL and mean is not None:
+        return "output tok/s (fleet, mean)", _n(round(mean))
     return f"output tok/s (fleet, last {int(p.get('rate_window_s') or 300) // 60} min)", _n(round(p["output_tokens_per_s"]))
 
 
@@ -301,7 +298,8 @@ _REPORT_SCALARS = (
 )
 
 
-def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[str, str]], md_url: str | None) -> str:
+def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[str, str]], md_url: str | None,
+                   report_url: str | None = None) -> str:
     if report is None:
         return ('<section id="report"><h2>Report</h2><p class="muted">No report yet: validate_and_count writes it '
                 "when every generate task is done.</p></section>")
@@ -328,9 +326,14 @@ def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[s
                                      for n, s in per_server.items()],
             cls="report-servers", numeric=tuple(range(1, len(preferred) + 1))))
     parts.append("</div></div>")
-    if md_url:
-        parts.append(f'<p><a href="{_e(md_url)}">report.md</a> (rendered; <a href="{_e(md_url)}?raw=1">raw Markdown</a>)'
-                     f' \u00b7 <span class="mono">{_e(report.get("report_key"))}</span></p>')
+    if report_url or md_url:
+        links = []
+        if report_url:
+            links.append(f'<a id="report-link" href="{_e(report_url)}">full report</a>')
+        if md_url:
+            links.append(f'<a href="{_e(md_url)}">report.md (Markdown source)</a>')
+        links.append(f'<span class="mono">{_e(report.get("report_key"))}</span>')
+        parts.append("<p>" + " \u00b7 ".join(links) + "</p>")
     if plot_urls:
         parts.append('<h2>Plots</h2><div class="plots">' + "".join(
             f'<img src="{_e(u)}" alt="{_e(n)}" loading="lazy">' for n, u in plot_urls) + "</div>")
@@ -365,7 +368,8 @@ def run_main(view: Mapping[str, Any]) -> str:
         parts.append(progress_section(view["progress"], run_state))
     else:
         parts.append('<p class="muted">No plan yet: the manifest appears when the plan task has run.</p>')
-    parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url")))
+    parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url"),
+                                view.get("report_url")))
     parts.append("</div>")
     return "".join(parts)
 
@@ -376,6 +380,20 @@ def run_page(view: Mapping[str, Any]) -> str:
     body = (f'<h1>DFlash run <span class="mono">{_e(view["run_id"])}</span></h1>'
             f'<p class="muted">{links}</p>{run_main(view)}')
     return page(title, body, refresh_s=int(view.get("refresh_s", 10)))
+
+
+def markdown_html(text: str) -> str:
+    """report.md as HTML: CommonMark with tables, raw HTML in the text escaped, never passed through."""
+    from markdown_it import MarkdownIt
+
+    return str(MarkdownIt("js-default").render(text))
+
+
+def report_page(title: str, markdown_text: str, links: Sequence[tuple[str, str]]) -> str:
+    """The validation report rendered, with links back to the run page and to the Markdown source."""
+    nav = " \u00b7 ".join(f'<a href="{_e(u)}">{_e(t)}</a>' for t, u in links)
+    body = f'<p class="muted">{nav}</p><article id="report-md" class="md">{markdown_html(markdown_text)}</article>'
+    return page(title, body)
 
 
 def index_page(dag_id: str, runs: Sequence[Mapping[str, Any]], run_url: Any) -> str:

@@ -150,6 +150,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any
         "report": None,
         "plot_urls": [],
         "report_md_url": None,
+        "report_url": None,
         "warnings": [],
         "links": [("Airflow run", f"/dags/{ui.quote_id(dag_id)}/runs/{ui.quote_id(run_id)}"),
                   ("all runs", f"{base}/"), ("JSON", f"{base}/api/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}")],
@@ -178,6 +179,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any
     if data["report"] is not None:
         view["plot_urls"] = [(n, f"{run_base}/plots/{n}") for n in data["plots"]]
         view["report_md_url"] = f"{run_base}/report.md"
+        view["report_url"] = f"{run_base}/report"
     # A finished run whose validation never wrote a report: stop refreshing anyway.
     validate_states = [t["state"] for t in tasks if t["task_id"] == "validate_and_count"]
     view["report_missing_final"] = bool(validate_states) and validate_states[0] in ("failed", "upstream_failed")
@@ -251,13 +253,18 @@ def create_app(url_prefix: str = URL_PREFIX) -> FastAPI:
         data, _ = _read_run_object(session, dag_id, run_id, name)
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
 
-    @app.get("/runs/{dag_id}/{run_id}/report.md", dependencies=[can_read_runs])
-    def report_md(dag_id: str, run_id: str, session: SessionDep, raw: bool = False) -> Response:
-        """The report rendered as a page (`?raw=1`: the Markdown itself, for copying)."""
+    @app.get("/runs/{dag_id}/{run_id}/report", response_class=HTMLResponse, dependencies=[can_read_runs])
+    def report_html(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
+        """report.md rendered (the page's "full report" link); the raw Markdown stays at report.md."""
         data, _ = _read_run_object(session, dag_id, run_id, "report.md")
-        text = data.decode("utf-8", errors="replace")
-        if raw:
-            return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
-        return HTMLResponse(ui.page(f"report: {run_id}", ui.markdown_html(text)))
+        run_base = f"{url_prefix}/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}"
+        body = ui.report_page(f"report \u00b7 {run_id}", data.decode("utf-8", errors="replace"),
+                              [("back to the run", run_base), ("report.md (Markdown source)", f"{run_base}/report.md")])
+        return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+    @app.get("/runs/{dag_id}/{run_id}/report.md", dependencies=[can_read_runs])
+    def report_md(dag_id: str, run_id: str, session: SessionDep) -> PlainTextResponse:
+        data, _ = _read_run_object(session, dag_id, run_id, "report.md")
+        return PlainTextResponse(data.decode("utf-8", errors="replace"), media_type="text/markdown; charset=utf-8")
 
     return app

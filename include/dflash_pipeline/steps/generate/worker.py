@@ -110,6 +110,9 @@ class WorkerSettings:
     backoff_cap_s: float = 30.0
     poll_s: float = 1.0
     progress_every_s: float = 10.0
+    # Early in a run progress is published more often (every elapsed/10 s, at least this often), so
+    # a short run still draws a throughput curve; from 10 x progress_every_s on it is every_s.
+    progress_first_s: float = 1.0
     store_deadline_s: float = 600.0
     try_number: int = 1
     retry_failed_rows: str = "transient"
@@ -1064,6 +1067,12 @@ class Worker:
                            why, released, saved)
         return released
 
+    def _progress_interval(self) -> float:
+        """Seconds between snapshots: a tenth of the time run so far, within [first_s, every_s]."""
+        s = self.settings
+        elapsed = time.monotonic() - self.stats.started_t
+        return min(s.progress_every_s, max(s.progress_first_s, elapsed / 10.0))
+
     def _progress(self, force: bool = False) -> None:
         """Log one compact line and hand a snapshot to `on_progress` (the page and ETA read it).
 
@@ -1147,7 +1156,6 @@ class Worker:
         claimer.start()
         self.keeper.start()
         probe_session = new_session()
-        self._progress()  # a start sample: the throughput chart spans the run from its first second
         last_progress = time.monotonic()
         try:
             while True:
@@ -1183,7 +1191,7 @@ class Worker:
                         item = pool.out.get_nowait()
                     except queue.Empty:
                         item = None
-                if time.monotonic() - last_progress >= s.progress_every_s:
+                if time.monotonic() - last_progress >= self._progress_interval():
                     self._progress()
                     last_progress = time.monotonic()
         except BaseException as exc:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dflash_pipeline.config import short_server_labels
+
 if TYPE_CHECKING:
     from dflash_pipeline.steps.validate.histogram import Histogram, Histogram2D
 
@@ -87,42 +89,33 @@ def thinking_vs_answer(h2: Histogram2D, unit: str, skipped: int) -> bytes:
     return _png(fig)
 
 
-def short_names(names: list[str], limit: int = 28) -> list[str]:
-    """Axis labels for servers: host:port without the scheme, else the tail; the full names go in
-    the figure's footnote when any label had to be cut."""
-    out = []
-    for n in names:
-        text = n.split("://", 1)[-1].rstrip("/")
-        out.append(text if len(text) <= limit else "\u2026" + text[-(limit - 1):])
-    if len(set(out)) < len(out):
-        out = [f"s{i}" for i in range(len(names))]
-    return out
-
-
 def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
-    """Per server, as horizontal bars (readable for any number of servers and any URL length):
-    output tokens produced, and output tokens per second of request time."""
+    """Per server: output tokens produced, and output tokens per second of request time.
+
+    Horizontal bars, one row per server, labelled with the host:port (or its tail): URLs side by
+    side under vertical bars overlapped into unreadable text. The report's table has full names.
+    """
+    from matplotlib.ticker import EngFormatter
+
     names = list(per_server)
-    height = max(3.2, min(14.0, 1.4 + 0.45 * len(names)))
-    fig, _ = _figure(8.0, height)
+    labels = short_server_labels(names, max_len=28)
+    errors = [int(per_server[n].get("errors") or 0) for n in names]
+    labels = [f"{lab} ({e:,} err)" if e else lab for lab, e in zip(labels, errors)]
+    fig, _ = _figure(7.0, max(2.2, 1.1 + 0.36 * len(names)))
     left, right = fig.subplots(1, 2, sharey=True)
     y = np.arange(len(names))
     tokens = [per_server[n]["output_tokens"] for n in names]
     rate = [per_server[n].get("output_tokens_per_request_s") or 0.0 for n in names]
-    errors = [per_server[n]["errors"] for n in names]
-    short = short_names(names)
-    labels = [f"{s} ({e} err)" if e else s for s, e in zip(short, errors)]
-    left.barh(y, tokens, color="tab:blue")
-    left.set_title("output tokens", fontsize=11)
-    right.barh(y, rate, color="tab:green")
-    right.set_title("output tokens / request-second", fontsize=11)
-    left.set_yticks(y, labels, fontsize=10)
-    left.invert_yaxis()
-    for ax in (left, right):
-        ax.tick_params(axis="x", labelsize=9)
-        ax.ticklabel_format(axis="x", style="plain")
-    if short != [n.split("://", 1)[-1].rstrip("/") for n in names]:
-        fig.text(0.01, 0.005, "; ".join(f"{s} = {n}" for s, n in zip(short, names))[:400], fontsize=6)
+    for ax, vals, color, title, fmt in ((left, tokens, "tab:blue", "output tokens", "{:,.0f}"),
+                                        (right, rate, "tab:green", "output tokens per request-second", "{:,.1f}")):
+        bars = ax.barh(y, vals, color=color)
+        ax.bar_label(bars, [fmt.format(v) for v in vals], padding=3, fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.margins(x=0.3)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    left.set_yticks(y, labels, fontsize=9)
+    left.invert_yaxis()  # first server on top, as in the report's table
     return _png(fig)
 
 
