@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from dflash_pipeline.dev.chaos import random_schedule, run_schedule
+from dflash_pipeline.dev.chaos import Event, random_schedule, run_schedule
 from dflash_pipeline.dev.stack import MotoServer
 
 
@@ -24,6 +24,9 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--s3-only", action="store_true", help="S3 faults only (no server or worker events)")
     ap.add_argument("--servers", type=int, default=None, help="fleet size (default: drawn, 2-4)")
+    ap.add_argument("--outage-s", type=float, default=8.0, help="longest S3 outage drawn (seconds)")
+    ap.add_argument("--force-outage", action="store_true",
+                    help="add to every schedule one S3 outage of exactly --outage-s, 2-6 s after the start")
     ap.add_argument("--s3-rates", default=None, metavar="SLOWDOWN,CONFLICT,LOST",
                     help="fix the S3 fault rates (e.g. 0.10,0.15,0.05) instead of drawing them")
     ap.add_argument("--bound-s", type=float, default=300.0, help="a schedule still running after this is a hang")
@@ -37,7 +40,10 @@ def main() -> int:
               f"{'reqs':>5} {'wasted':>6} {'tries':>5} {'wall_s':>6}  schedule | S3 faults injected")
         t0 = time.monotonic()
         for seed in range(args.first_seed, args.first_seed + args.schedules):
-            sc = random_schedule(seed, s3_only=args.s3_only, n_servers=args.servers)
+            sc = random_schedule(seed, s3_only=args.s3_only, n_servers=args.servers, outage_s=args.outage_s)
+            if args.force_outage:
+                at = 2.0 + (seed * 7919 % 400) / 100.0
+                sc.events = sorted([*sc.events, Event(at, "outage", 0, args.outage_s)], key=lambda e: e.at_s)
             if args.s3_rates:
                 sd, cf, lo = (float(x) for x in args.s3_rates.split(","))
                 sc.s3 = {"slowdown": sd, "conflict": cf, "lost": lo}

@@ -101,7 +101,7 @@ def server_throughput(per_server: dict[str, dict[str, Any]]) -> bytes:
     labels = short_server_labels(names, max_len=28)
     errors = [int(per_server[n].get("errors") or 0) for n in names]
     labels = [f"{lab} ({e:,} err)" if e else lab for lab, e in zip(labels, errors)]
-    fig, _ = _figure(7.0, max(2.2, 1.1 + 0.36 * len(names)))
+    fig, _ = _figure(7.0, max(2.8, 1.1 + 0.36 * len(names)))
     left, right = fig.subplots(1, 2, sharey=True)
     y = np.arange(len(names))
     tokens = [per_server[n]["output_tokens"] for n in names]
