@@ -81,9 +81,10 @@ class S3FaultProxy:
         self._server.server_close()
 
     def outage(self, seconds: float) -> None:
-        """The endpoint is unreachable (connections closed unanswered) for `seconds` from now."""
+        """The endpoint is unreachable (connections closed unanswered) for `seconds` from now; an
+        outage already under way is extended, never shortened. `outage(0)` ends any outage."""
         with self._lock:
-            self._down_until = time.monotonic() + seconds
+            self._down_until = 0.0 if seconds <= 0 else max(self._down_until, time.monotonic() + seconds)
 
     def set_rates(self, *, slowdown: float | None = None, conflict: float | None = None,
                   lost: float | None = None) -> None:
