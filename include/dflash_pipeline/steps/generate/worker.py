@@ -317,7 +317,8 @@ class Worker:
             store_deadline_s=s.store_deadline_s,
         )
         self.keeper = LeaseKeeper(self.leases, self.chunks, s.lease_s, on_lost=self._on_lost)
-        # Open chunks by index (main adds and removes; the renewer only flags `dropped`).
+        # Open chunks by index (the claimer adds a chunk it opened, main removes it when it queues, hands
+        # off or drops it; the renewer only flags `dropped`), under `_open_lock`.
         self.open: dict[int, OpenChunk] = {}
         self._open_lock = threading.Lock()
         self.pending: deque[tuple[OpenChunk, dict[str, Any]]] = deque()
