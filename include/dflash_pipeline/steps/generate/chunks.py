@@ -45,6 +45,13 @@ Invariants (what makes a row exactly once and a run never hang):
 5. Kill: SIGKILL loses the open chunks' unsaved rows and leaves claims that expire after `lease_s`.
    SIGTERM / an exception: finished rows are saved as partials and claims released (conditional
    delete, so a late owner never deletes a peer's claim) within the stop grace.
+
+Known gaps (found in review, not yet fixed; see issue 13's notes): invariant 2 has one exception,
+`ChunkStore.commit` returns REFUSED after three "refused yet absent" rounds without having seen the
+part; a 412 is checked against our nonce only when botocore re-sent the request, so a renewal whose
+answer was lost and not re-sent reads as a take-over; and invariant 5 is best effort under a slow
+S3: a lease left COMMITTING by a committer that failed its stop deadline is neither saved nor
+released (it expires with its lease), and the stop can overrun the grace.
 """
 
 from __future__ import annotations
