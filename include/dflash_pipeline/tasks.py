@@ -51,10 +51,16 @@ def completions_asset() -> Any:
 
 
 def s3_client(aws_conn_id: str) -> Any:
-    """A boto3 S3 client from the Airflow AWS connection (credentials never pass through us)."""
+    """A boto3 S3 client from the Airflow AWS connection (credentials never pass through us), with
+    bounded timeouts and retries (`store.CLIENT_CONFIG`) unless the connection's extra sets its own."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from botocore.config import Config
 
-    return S3Hook(aws_conn_id=aws_conn_id).get_conn()
+    from dflash_pipeline.dataset.store import CLIENT_CONFIG
+
+    hook = S3Hook(aws_conn_id=aws_conn_id)
+    config = Config(**CLIENT_CONFIG).merge(hook.config)
+    return hook.get_client_type(region_name=hook.region_name, config=config)
 
 
 def resolve_server(name: str) -> ServerSpec:
@@ -124,16 +130,17 @@ def generate(
     """Drive one server until the dataset is complete; return a small summary for XCom."""
     import json
 
-    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.dataset.store import Store, with_retries
     from dflash_pipeline.serving.sglang import check_health, new_session
-    from dflash_pipeline.steps.generate import Worker, settings_for
+    from dflash_pipeline.steps.generate import Worker, WorkerSettings, settings_for
 
     cfg = config_from_params(params)
     with _fail_fast():
         spec = resolve_server(server["server"])
         layout = DatasetLayout.from_uri(cfg.output_uri)
         store = Store(s3_client(cfg.aws_conn_id), layout.bucket)
-        got = store.get(layout.manifest_key)
+        # Retried: a task (re)started during an S3 outage waits for it like the worker does.
+        got = with_retries(lambda: store.get(layout.manifest_key), what="manifest", deadline_s=WorkerSettings.store_deadline_s)
         if got is None:
             raise ConfigError(f"{layout.uri}/manifest.json is missing; plan did not run")
         manifest = json.loads(got[0])

@@ -109,3 +109,25 @@ def test_stopping_main_may_release_any_lease_left() -> None:
         leases.move(lease, State.RELEASED, "main")
     leases.give_up_owner = "main"
     assert leases.move(lease, State.RELEASED, "main") and len(leases) == 0
+
+
+class _RefusingButEmpty:
+    """A store whose conditional writes are always refused while no part is ever there: S3 never
+    behaves so, and the protocol must not turn it into "a peer committed" (a chunk marked done unseen)."""
+
+    def put(self, *args: object, **kwargs: object) -> str:
+        from dflash_pipeline.dataset.store import PreconditionFailed
+
+        raise PreconditionFailed("412")
+
+    def head(self, key: str) -> None:
+        return None
+
+
+def test_a_commit_that_never_sees_its_part_is_not_done() -> None:
+    from dflash_pipeline.dataset.store import StoreUnavailable
+    from dflash_pipeline.steps.generate.chunks import ChunkStore
+
+    chunks = ChunkStore(_RefusingButEmpty(), lambda c: f"claims/{c}", lambda n: b"{}")  # type: ignore[arg-type]
+    with pytest.raises(StoreUnavailable, match="no part is there"):
+        chunks.commit("completions/part-000001.parquet", b"x", nonce="n", if_match='"e"', deadline_s=1.0)

@@ -60,6 +60,17 @@ class ObjectInfo:
     metadata: dict[str, str] | None = None
 
 
+#: botocore settings for every S3 client of the pipeline (merged under the connection's own, which
+#: win): no single call may block for minutes, since a stopping task has seconds and the lease
+#: renewer must not stall. Our own retries (`with_retries`) sit on top, with deadlines.
+CLIENT_CONFIG: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 30,
+    "retries": {"max_attempts": 3, "mode": "standard"},
+    "max_pool_connections": 32,
+}
+
+
 _CONFIG_CODES = {"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 
 
@@ -225,11 +236,13 @@ def with_retries(
     base_s: float = 0.5,
     cap_s: float = 15.0,
     sleep: Callable[[float], None] = time.sleep,
+    should_stop: Callable[[], bool] | None = None,
 ) -> T:
     """Retry `fn` on StoreUnavailable with capped exponential backoff and full jitter.
 
     S3 outages of tens of seconds happen in long runs; a part that cannot be written yet must wait
-    rather than fail the task, and the caller stops taking new work while it waits.
+    rather than fail the task, and the caller stops taking new work while it waits. `should_stop`
+    (a stopping task) ends the wait at the next failure: the stop path has its own deadline.
     """
     start = time.monotonic()
     attempt = 0
@@ -239,7 +252,7 @@ def with_retries(
         except StoreUnavailable as exc:
             attempt += 1
             elapsed = time.monotonic() - start
-            if elapsed >= deadline_s:
+            if elapsed >= deadline_s or (should_stop is not None and should_stop()):
                 raise
             delay = min(cap_s, base_s * (2 ** min(attempt, 10))) * random.uniform(0.5, 1.0)
             logger.warning("%s: S3 unavailable (%s); retry %d in %.1fs", what, exc, attempt, delay)

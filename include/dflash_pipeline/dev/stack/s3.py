@@ -29,6 +29,9 @@ MOTO_SECRET_KEY = "testing"  # noqa: S105 - a fake credential for a local fake S
 def s3_client(endpoint_url: str, region: str = DEFAULT_REGION) -> Any:
     """A boto3 S3 client talking to ``endpoint_url`` (moto) with the fake credentials."""
     import boto3  # local import: boto3 is slow to import and not needed by every user of this module
+    from botocore.config import Config
+
+    from dflash_pipeline.dataset.store import CLIENT_CONFIG
 
     return boto3.client(
         "s3",
@@ -36,6 +39,7 @@ def s3_client(endpoint_url: str, region: str = DEFAULT_REGION) -> Any:
         region_name=region,
         aws_access_key_id=MOTO_ACCESS_KEY,
         aws_secret_access_key=MOTO_SECRET_KEY,
+        config=Config(**CLIENT_CONFIG),
     )
 
 

@@ -25,33 +25,35 @@ and the loser sees the new state. When the worker stops, the claimer and committ
 given a deadline) first; then main owns every lease left and releases it (`Leases.give_up_owner`).
 
 S3 outcomes, mapped once (dataset/store.py):
-- 412 PreconditionFailed: the race is lost (the key exists / changed) unless botocore had re-sent
-  the request (`retried`): then our first send may have succeeded, so we HEAD the key and compare
-  the `nonce` metadata each of our writes carries. A lost answer is never read as a lost race.
+- 412 PreconditionFailed: the race is lost (the key exists / changed), unless the write may be our
+  own: a claim re-sent (by botocore or by our retry, always with the same nonce), or any renewal
+  or release (an earlier renewal may have changed the ETag unanswered). Then a HEAD compares the
+  `nonce` metadata each of our writes carries: a lost answer is never read as a lost race.
 - 404 on a conditional write or delete (`KeyGone`): the claim was deleted (released by a peer
   that took it over and finished): a refused renewal or a no-op release.
 - 409 ConditionalRequestConflict, 503 SlowDown, 5xx, connection errors: StoreUnavailable, retried
   with backoff; a renewal that cannot get through keeps the lease (we do not drop work on a hunch).
+  Every S3 client has bounded timeouts and retries (`store.CLIENT_CONFIG`), so no call blocks
+  for minutes.
 
 Invariants (what makes a row exactly once and a run never hang):
 1. A part is written only with If-None-Match: * (first commit) or If-Match its read ETag (repair):
    two workers can never both write a chunk, whatever the leases say. Leases only avoid waste.
 2. A chunk counts as done only when its part was seen in S3 (a listing, our commit, or a HEAD after
-   a refusal), never from a local guess.
+   a refusal), never from a local guess: a commit refused with no part there raises.
 3. Complete rows are not dropped when a lease is lost: QUEUED/COMMITTING chunks are committed anyway
    (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted.
-4. A lease we hold is renewed every lease/4 by its own thread in every non-final state, so a slow
-   commit (S3 retries) never lets a peer take over healthy work.
+4. A lease we hold is renewed every lease/4 in every non-final state, each renewal on its own
+   thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
 5. Kill: SIGKILL loses the open chunks' unsaved rows and leaves claims that expire after `lease_s`.
-   SIGTERM / an exception: finished rows are saved as partials and claims released (conditional
-   delete, so a late owner never deletes a peer's claim) within the stop grace.
-
-Known gaps (found in review, not yet fixed; see issue 13's notes): invariant 2 has one exception,
-`ChunkStore.commit` returns REFUSED after three "refused yet absent" rounds without having seen the
-part; a 412 is checked against our nonce only when botocore re-sent the request, so a renewal whose
-answer was lost and not re-sent reads as a take-over; and invariant 5 is best effort under a slow
-S3: a lease left COMMITTING by a committer that failed its stop deadline is neither saved nor
-released (it expires with its lease), and the stop can overrun the grace.
+   SIGTERM / an exception: one absolute deadline (the stop grace). The committer commits complete
+   chunks until half of it; then main owns every lease left and, for all chunks at once, saves the
+   finished rows (of open, queued and committing chunks) as partials and releases the claims
+   (conditional delete, so a late owner never deletes a peer's claim). An S3 that does not answer
+   in time costs those rows, never the deadline; the claims then expire with their lease. A claim
+   the claimer completes after the stop began it releases itself.
+6. Partials only carry results for good (finished completions, permanent errors); rows of any other
+   kind found in one (older code) are redone.
 """
 
 from __future__ import annotations
@@ -196,76 +198,119 @@ class ChunkStore:
         self.claim_body = claim_body
         self.store_deadline_s = store_deadline_s
 
-    def _ours(self, key: str, nonce: str) -> ObjectInfo | None:
+    def _ours(self, key: str, nonce: str, deadline_s: float) -> ObjectInfo | None:
         """The object at `key` if it carries our nonce (our write went through, its answer lost)."""
-        info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=self.store_deadline_s)
+        info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=deadline_s,
+                            cap_s=max(0.5, deadline_s / 4))
         if info is not None and (info.metadata or {}).get("nonce") == nonce:
             return info
         return None
 
-    def claim(self, chunk: int, prev: ObjectInfo | None) -> Lease | None:
+    def claim(self, chunk: int, prev: ObjectInfo | None, deadline_s: float = 30.0,
+              should_stop: Callable[[], bool] | None = None) -> Lease | None:
         """Create the claim (prev None) or take over `prev` (an expired or our own stale claim).
-        None: a peer won. StoreUnavailable propagates (the caller retries the claim)."""
+        None: a peer won. StoreUnavailable propagates after `deadline_s` (the caller retries later).
+
+        Every send of one claim carries the same nonce, so a 412 that follows any earlier send (ours
+        or botocore's) is checked with a HEAD: our own claim is never read as a peer's. A claim
+        whose every answer was lost and that still ends in StoreUnavailable may exist with our nonce;
+        nobody renews it, so it expires after the lease (waste, never a duplicate: invariant 1)."""
         nonce = uuid.uuid4().hex
         key = self.claim_key(chunk)
-        try:
-            etag = self.store.put(
+        sends = 0
+
+        def put() -> str:
+            nonlocal sends
+            sends += 1
+            return self.store.put(
                 key, self.claim_body(nonce), if_none_match=prev is None,
                 if_match=None if prev is None else prev.etag,
                 content_type="application/json", metadata={"nonce": nonce},
             )
+
+        try:
+            etag = with_retries(put, what=f"claim {key}", deadline_s=deadline_s, cap_s=max(0.5, deadline_s / 4),
+                                should_stop=should_stop)
+        except KeyGone:
+            if sends == 1:
+                return None  # the claim we meant to take over was released meanwhile
+            raise StoreUnavailable(f"claim {key}: answer lost and the key gone; try again")
         except PreconditionFailed as exc:
-            mine = self._ours(key, nonce) if exc.retried else None
+            mine = self._ours(key, nonce, deadline_s) if exc.retried or sends > 1 else None
             if mine is None:
                 return None
             logger.info("chunk %d: claim answer was lost but the claim is ours", chunk)
             etag = mine.etag
         return Lease(chunk, etag, nonce)
 
-    def renew(self, lease: Lease) -> bool:
+    def renew(self, lease: Lease, deadline_s: float = 30.0) -> bool:
         """Rewrite our claim If-Match its ETag (this refreshes LastModified, which peers judge
-        the lease by). False: the claim changed or vanished, a peer owns the chunk now."""
+        the lease by). False: the claim changed or vanished, a peer owns the chunk now.
+
+        Any 412 is checked with a HEAD (bounded by `deadline_s`): an earlier renewal whose answer
+        was lost changed the ETag without telling us, and that claim is still ours."""
         key = self.claim_key(lease.chunk)
         try:
             etag = self.store.put(key, self.claim_body(lease.nonce), if_match=lease.etag,
                                   content_type="application/json", metadata={"nonce": lease.nonce})
-        except PreconditionFailed as exc:  # KeyGone included
-            mine = self._ours(key, lease.nonce) if exc.retried and not isinstance(exc, KeyGone) else None
+        except KeyGone:
+            return False
+        except PreconditionFailed:
+            mine = self._ours(key, lease.nonce, deadline_s)
             if mine is None:
                 return False
+            logger.info("chunk %d: an earlier renewal went through unanswered; adopting its ETag", lease.chunk)
             etag = mine.etag
         with lease.lock:
             lease.etag = etag
             lease.last_renewed_t = time.monotonic()
         return True
 
-    def release(self, lease: Lease, deadline_s: float) -> bool:
+    def release(self, lease: Lease, deadline_s: float, should_stop: Callable[[], bool] | None = None) -> bool:
         """Delete our claim if it is still ours (If-Match): a late owner never deletes a peer's
-        claim. False if S3 did not answer within `deadline_s` (the lease then simply expires)."""
+        claim. A 412 is checked with a HEAD: if the claim carries our nonce (a renewal changed its
+        ETag unanswered), it is deleted If-Match that ETag. False if S3 did not answer within
+        `deadline_s` (the lease then simply expires)."""
         key = self.claim_key(lease.chunk)
+        end = time.monotonic() + deadline_s
+        left = lambda: max(0.1, end - time.monotonic())  # noqa: E731
+        etag = lease.etag
         try:
-            with_retries(lambda: self.store.delete(key, if_match=lease.etag), what=f"release {key}",
-                         deadline_s=deadline_s, cap_s=max(0.5, deadline_s / 4))
-        except PreconditionFailed:
-            pass  # gone or a peer's now: nothing of ours to delete
+            for _ in range(3):
+                try:
+                    with_retries(lambda: self.store.delete(key, if_match=etag), what=f"release {key}",
+                                 deadline_s=left(), cap_s=max(0.5, deadline_s / 4), should_stop=should_stop)
+                    return True
+                except KeyGone:
+                    return True  # already gone: released by us (answer lost) or by a peer that finished
+                except PreconditionFailed:
+                    mine = self._ours(key, lease.nonce, left())
+                    if mine is None:
+                        return True  # a peer's claim now: nothing of ours to delete
+                    etag = mine.etag
+            return True
         except StoreUnavailable as exc:
             logger.warning("could not release the claim of chunk %d (%s); it expires with its lease", lease.chunk, exc)
             return False
-        return True
 
     def commit(self, key: str, data: bytes, *, nonce: str, if_match: str | None, deadline_s: float) -> CommitOutcome:
         """Write a part once: If-None-Match (first commit) or If-Match the part we repair. A
-        refusal is checked with a HEAD: our own write whose answer was lost is COMMITTED."""
+        refusal is checked with a HEAD: our own write whose answer was lost is COMMITTED, a peer's
+        part is REFUSED. A refusal with no part there three times raises StoreUnavailable: a chunk
+        counts as done only when its part was seen (invariant 2)."""
+        end = time.monotonic() + deadline_s
         for _ in range(3):
+            left = max(0.1, end - time.monotonic())
             try:
                 with_retries(
                     lambda: self.store.put(key, data, if_none_match=if_match is None, if_match=if_match,
                                            metadata={"nonce": nonce}),
-                    what=f"commit {key}", deadline_s=deadline_s,
+                    what=f"commit {key}", deadline_s=left,
                 )
                 return CommitOutcome.COMMITTED
             except PreconditionFailed:
-                info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=deadline_s)
+                info = with_retries(lambda: self.store.head(key), what=f"head {key}",
+                                    deadline_s=max(0.1, end - time.monotonic()))
                 if info is not None and (info.metadata or {}).get("nonce") == nonce:
                     logger.info("%s: commit answer was lost but the part is ours", key)
                     return CommitOutcome.COMMITTED
@@ -273,15 +318,17 @@ class ChunkStore:
                     return CommitOutcome.REFUSED
                 # Refused yet absent: the part we repair was deleted meanwhile; write it fresh.
                 if_match = None
-        return CommitOutcome.REFUSED
+        raise StoreUnavailable(f"commit {key}: refused three times yet no part is there")
 
 
 class LeaseKeeper:
-    """The renewer thread: renews every live lease every `lease_s / 4` (invariant 4).
+    """The renewer: renews every live lease every `lease_s / 4` (invariant 4).
 
-    A refused renewal moves a working lease to TAKEN_OVER and calls `on_lost(lease)`; a lease
-    already QUEUED/COMMITTING stays (invariant 3). S3 being unavailable keeps the lease: a peer can
-    take it over only after `lease_s` without renewal, and then our commit is refused (invariant 1).
+    Each renewal runs on its own short-lived daemon thread (at most one per lease at a time), so
+    one PUT stuck in a slow S3 never delays the renewal of the other leases. A refused renewal moves
+    a working lease to TAKEN_OVER and calls `on_lost(lease)`; a lease already QUEUED/COMMITTING
+    stays (invariant 3). S3 being unavailable keeps the lease: a peer can take it over only after
+    `lease_s` without renewal, and then our commit is refused (invariant 1).
     """
 
     def __init__(self, leases: Leases, chunks: ChunkStore, lease_s: float,
@@ -292,6 +339,8 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._busy: set[int] = set()
+        self._busy_lock = threading.Lock()
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -302,22 +351,44 @@ class LeaseKeeper:
         if self._thread.is_alive():
             self._thread.join(timeout=timeout_s)
 
-    def renew_due(self) -> None:
+    def renew_due(self, wait: bool = False) -> None:
+        """Start a renewal for every lease due and not already being renewed (`wait`: join them)."""
         now = time.monotonic()
+        started = []
         for lease in self.leases.live():
             if now - lease.last_renewed_t < self.every_s:
                 continue
+            with self._busy_lock:
+                if lease.chunk in self._busy:
+                    continue
+                self._busy.add(lease.chunk)
+            t = threading.Thread(target=self._renew_one, args=(lease,), name=f"renew-{lease.chunk}", daemon=True)
+            t.start()
+            started.append(t)
+        if wait:
+            for t in started:
+                t.join()
+
+    def _renew_one(self, lease: Lease) -> None:
+        try:
+            if lease.gone:
+                return
             try:
-                ok = self.chunks.renew(lease)
+                ok = self.chunks.renew(lease, deadline_s=min(30.0, self.every_s))
             except StoreUnavailable as exc:
                 logger.warning("could not renew the claim of chunk %d (%s); will retry", lease.chunk, exc)
-                continue
+                return
             if not ok:
                 if self.leases.move(lease, S.TAKEN_OVER, "renewer"):
                     logger.warning("chunk %d was taken over by another worker; dropping our copy", lease.chunk)
                     self.on_lost(lease)
-                else:
+                elif not lease.gone:
                     logger.warning("chunk %d: claim lost while its rows are committed; the commit decides", lease.chunk)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the worker's main loop
+            self.error = exc
+        finally:
+            with self._busy_lock:
+                self._busy.discard(lease.chunk)
 
     def _run(self) -> None:
         while not self._stop.wait(min(1.0, self.every_s / 2)):

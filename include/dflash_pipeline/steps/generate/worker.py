@@ -268,12 +268,14 @@ class _RequestPool:
             self._threads.append(t)
 
     def _loop(self, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
-        session = session_factory()
+        session: Any = None
         while not self._stop.is_set():
             item = self._in.get()
             if item is None:
                 return
             try:
+                if session is None:
+                    session = session_factory()
                 self.out.put(fn(session, item))
             except BaseException as exc:  # noqa: BLE001 - surfaced to the main loop
                 self.out.put(exc)
@@ -354,6 +356,13 @@ class Worker:
         self._in_tail = False
         self._repair_cache: tuple[float, set[int]] | None = None
         self._stop_requested = threading.Event()
+        self._stop_requested_t: float | None = None
+        # Stopping: the committer takes no new chunk after `_commit_until`; main then owns every lease.
+        self._committer_stop = threading.Event()
+        self._commit_until: float | None = None
+        # Chunks handed to the committer (QUEUED/COMMITTING), by index, so the stop path can save
+        # the rows of any the committer did not finish. Under `_committing_lock`.
+        self._queued: dict[int, OpenChunk] = {}
         self._recent_permanent: deque[bool] = deque(maxlen=s.breaker_window)
         self._breaker_checked_t = 0.0
         self._last_permanent: str = ""
@@ -368,6 +377,8 @@ class Worker:
     def request_stop(self) -> None:
         """Ask the worker to stop (from a signal handler): it saves, commits and releases, then
         raises TaskStopped from run()."""
+        if self._stop_requested_t is None:
+            self._stop_requested_t = time.monotonic()
         self._stop_requested.set()
         self._claimer_stop.set()
         self._claimer_wake.set()
@@ -386,7 +397,8 @@ class Worker:
             body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
             for attempt in range(1, s.max_attempts + 1):
                 out.attempts = attempt
-                if chunk.dropped or self._stop_requested.is_set():
+                if chunk.dropped or self._stop_requested.is_set() or (chunk.lease is not None and chunk.lease.gone):
+                    out.failure = None  # not a result: never stored as an error row
                     return out
                 try:
                     completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
@@ -400,7 +412,7 @@ class Worker:
                     if not exc.transient or attempt == s.max_attempts:
                         return out
                     delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                    time.sleep(delay)
+                    self._stop_requested.wait(delay)
                     continue
                 out.failure = None
                 out.row = completion_row(
@@ -562,10 +574,14 @@ class Worker:
         while candidates and not self._claimer_stop.is_set():
             c = candidates.popleft()
             info = claims.get(c)
-            try:
-                lease = self.chunks.claim(c, info)
-            except PreconditionFailed:
-                lease = None  # KeyGone on a take-over: the claim was released meanwhile
+            lease = self.chunks.claim(c, info, deadline_s=min(30.0, self.settings.store_deadline_s),
+                                      should_stop=self._claimer_stop.is_set)
+            if lease is not None and self._claimer_stop.is_set():
+                # Stopping began while the claim was in flight: main may already have released
+                # the leases it saw, so this one is released here, at once.
+                self.leases.add(lease)
+                self._release_claimed(lease)
+                return None
             if lease is None:
                 if stale:
                     self._last_scan = None
@@ -637,7 +653,11 @@ class Worker:
         if partial is not None:
             ids = {p["id"] for p in chunk.prompts}
             for row in decode_part(partial[0]).to_pylist():
-                if row["id"] in ids:
+                # Only rows that are results for good: a completion that finished (older code may
+                # have saved an aborted one) or a permanent error; anything else is redone.
+                usable = (row.get("finish_reason") in FINISHED) if not row.get("error_class") \
+                    else not row.get("retryable")
+                if row["id"] in ids and usable:
                     chunk.results[row["id"]] = row
             chunk.todo = [p for p in chunk.prompts if p["id"] not in chunk.results]
             logger.info("chunk %d: %d row(s) saved by a worker that gave up are reused", c, len(chunk.results))
@@ -748,7 +768,8 @@ class Worker:
     def _all_done(self) -> bool:
         """Every chunk committed and nothing left to repair (by this worker's policy)."""
         done, claims, repair = with_retries(
-            lambda: self._scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s
+            lambda: self._scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s,
+            should_stop=self._stop_requested.is_set,
         )
         finished = not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
         if finished:
@@ -767,6 +788,15 @@ class Worker:
                     logger.info("deleted the expired claim of committed chunk %d", c)
                 except (PreconditionFailed, StoreUnavailable):
                     pass
+        # A partial outlives its chunk's commit when the stop path saved it while a commit was in
+        # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
+        try:
+            for obj in self.store.list(self.layout.partials_prefix):
+                c = chunk_of_key(obj.key, self.layout.partials_prefix)
+                if c is not None and c in done and not self.leases.held(c):
+                    self.store.delete(obj.key, if_match=obj.etag)
+        except (PreconditionFailed, StoreUnavailable):
+            pass
 
     # -- renewer callback -----------------------------------------------------------------------
     def _on_lost(self, lease: Lease) -> None:
@@ -778,10 +808,19 @@ class Worker:
 
     # -- committer thread -----------------------------------------------------------------------
     def _committer(self) -> None:
+        """Commits queued chunks in order. `_committer_stop`: at the normal end, drain the queue and
+        return; when stopping, take no chunk after `_commit_until` (main saves what is left)."""
         while True:
-            chunk = self._commit_q.get()
+            try:
+                chunk = self._commit_q.get(timeout=0.1)
+            except queue.Empty:
+                if self._committer_stop.is_set():
+                    return
+                continue
             if chunk is None:
-                return
+                continue
+            if self._commit_until is not None and time.monotonic() >= self._commit_until:
+                return  # its lease stays QUEUED: main's to save and release
             try:
                 self._commit(chunk)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
@@ -791,9 +830,13 @@ class Worker:
                 with self._committing_lock:
                     self._committing -= 1
                     self._committing_rows -= len(chunk.prompts)
+                    if self._queued.get(chunk.index) is chunk:
+                        del self._queued[chunk.index]
 
     def _commit_deadline(self) -> float:
-        stop_at = getattr(self, "_stop_deadline", None)
+        """Seconds left for the commit's S3 calls: the store deadline, or up to `_commit_until`
+        (one absolute time for all of a stopping commit's calls)."""
+        stop_at = self._commit_until
         if stop_at is None:
             return self.settings.store_deadline_s
         return max(0.1, stop_at - time.monotonic())
@@ -825,8 +868,9 @@ class Worker:
                 with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial",
                              deadline_s=self._commit_deadline())
         self._mark_done(chunk.index)
-        self.leases.move(lease, State.COMMITTED, "committer")
-        self.chunks.release(lease, deadline_s=min(60.0, self._commit_deadline()))
+        if self.leases.move(lease, State.COMMITTED, "committer"):
+            self.chunks.release(lease, deadline_s=min(60.0, self._commit_deadline()))
+        # else: stopping, main released the lease meanwhile (and owns that release)
 
     def _write_marker(self, chunk: OpenChunk, rows: list[dict[str, Any]]) -> None:
         """Flag a part with error rows so a later run retries them (validation re-creates lost flags).
@@ -909,6 +953,7 @@ class Worker:
         with self._committing_lock:
             self._committing += 1
             self._committing_rows += len(chunk.prompts)
+            self._queued[chunk.index] = chunk
         self._commit_q.put(chunk)
 
     def _handle(self, out: _Outcome) -> None:
@@ -1028,8 +1073,9 @@ class Worker:
             )
 
     def _release_open(self, why: str, keep_errors: bool = True, deadline_s: float = 30.0) -> int:
-        """Hand every open chunk to the fleet now: save its finished rows as a partial, then release
-        the claim (main's move OPEN/REPAIRING -> RELEASED). Returns how many were released."""
+        """Hand every open chunk to the fleet now: main's move OPEN/REPAIRING -> RELEASED, then its
+        finished rows saved as a partial and the claim released, all chunks at once, within
+        `deadline_s`. Returns how many were released."""
         while True:
             try:
                 chunk = self._claimed.get_nowait()
@@ -1041,32 +1087,58 @@ class Worker:
             chunks = [ch for ch in self.open.values() if not ch.dropped]
             self.open.clear()
         self.pending.clear()
-        released = 0
-        saved = 0
+        jobs: list[tuple[Lease, list[dict[str, Any]]]] = []
         for chunk in chunks:
             chunk.dropped = True
             lease = chunk.lease
             if lease is None or lease.state not in (State.OPEN, State.REPAIRING, State.CLAIMED):
                 continue
+            if not self.leases.move(lease, State.RELEASED, "main"):
+                continue  # taken over meanwhile: the peer has it
             # Completions (and permanent errors, unless this server is the problem); never transient
             # error rows, which a failing server or the stop itself may have caused.
             rows = [r for r in chunk.results.values()
                     if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
-            if rows and chunk.base_rows is None:
-                try:
-                    with_retries(lambda: self.store.put(self.layout.partial_key(chunk.index), encode_part(rows)),
-                                 what=f"save partial {chunk.index}", deadline_s=deadline_s / 2)
-                    saved += len(rows)
-                except Exception as exc:  # noqa: BLE001 - best effort; the rows are redone otherwise
-                    logger.warning("could not save the %d finished rows of chunk %d: %s", len(rows), chunk.index, exc)
-            if self.leases.move(lease, State.RELEASED, "main"):
-                self.chunks.release(lease, deadline_s=deadline_s / 2)
-                released += 1
-        if released:
-            self._count("handoffs", released)
+            jobs.append((lease, rows if chunk.base_rows is None else []))
+        saved = self._hand_back(jobs, time.monotonic() + deadline_s)
+        if jobs:
+            self._count("handoffs", len(jobs))
             logger.warning("%s: released %d unfinished chunk(s) to the other servers (%d finished rows saved)",
-                           why, released, saved)
-        return released
+                           why, len(jobs), saved)
+        return len(jobs)
+
+    def _hand_back(self, jobs: list[tuple[Lease, list[dict[str, Any]]]], deadline: float) -> int:
+        """For each (lease already RELEASED by main, rows): save the rows as the chunk's partial,
+        then delete the claim; the chunks in parallel, each bounded by `deadline` (monotonic).
+        Daemon threads: one S3 call stuck past the deadline delays nothing (the lease expires).
+        Returns the rows saved."""
+        saved = [0]
+        lock = threading.Lock()
+
+        def one(lease: Lease, rows: list[dict[str, Any]]) -> None:
+            left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+            try:
+                if rows:
+                    data = encode_part(rows)
+                    with_retries(lambda: self.store.put(self.layout.partial_key(lease.chunk), data),
+                                 what=f"save partial {lease.chunk}", deadline_s=left(), cap_s=0.5)
+                    with lock:
+                        saved[0] += len(rows)
+            except Exception as exc:  # noqa: BLE001 - best effort; the rows are redone otherwise
+                logger.warning("could not save the %d finished rows of chunk %d: %s", len(rows), lease.chunk, exc)
+            try:
+                self.chunks.release(lease, deadline_s=left())
+            except Exception as exc:  # noqa: BLE001 - the claim then expires with its lease
+                logger.warning("could not release chunk %d: %s", lease.chunk, exc)
+
+        threads = [threading.Thread(target=one, args=job, name=f"handback-{job[0].chunk}", daemon=True)
+                   for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        with lock:
+            return saved[0]
 
     def _progress_interval(self) -> float:
         """Seconds between snapshots: a tenth of the time run so far, within [first_s, every_s]."""
@@ -1206,7 +1278,7 @@ class Worker:
         # The claimer may be releasing a chunk it claimed from a stale listing just as the dataset
         # completed: let it finish (its S3 retries are bounded), then release anything still held.
         claimer.join(timeout=min(120.0, s.store_deadline_s))
-        self._commit_q.put(None)
+        self._committer_stop.set()
         committer.join(timeout=60)
         self.leases.give_up_owner = "main"
         for lease in self.leases.live():
@@ -1227,44 +1299,47 @@ class Worker:
             time.sleep(0.05)
 
     def _give_up(self, claimer: threading.Thread, committer: threading.Thread, keep_errors: bool = True) -> None:
-        """Stop within `stop_grace_s`: complete chunks are committed (never dropped), finished rows
-        of the others saved as partials, every claim released (conditionally) for the fleet.
+        """Stop by one absolute deadline (`stop_grace_s` after a stop request, else at least 30 s):
+        complete chunks are committed while time allows, every other held chunk's finished rows are
+        saved as partials and every claim released (conditionally) for the fleet.
 
-        Order: the claimer stops first (it creates no lease after this), the committer drains the
-        queue against the deadline, then main owns every lease left (module docstring)."""
+        Order and owners: the claimer stops first (a claim it completes after this it releases
+        itself); the committer commits queued chunks until half the grace, then takes no more;
+        then main owns every lease left (`give_up_owner`) and hands back open, queued and
+        committing chunks and parked claims at once (`_hand_back`). A commit still in flight when
+        main releases its lease may still land: invariant 1 keeps the part exact, and a partial
+        left beside a part is swept at the end of a later run."""
         s = self.settings
+        started = time.monotonic()
         grace = s.stop_grace_s if self._stop_requested.is_set() else max(s.stop_grace_s, 30.0)
-        deadline = time.monotonic() + grace
-        self._stop_deadline = deadline
+
+        def deadline() -> float:  # a SIGTERM during a long give-up shortens it to the stop grace
+            t = self._stop_requested_t
+            return started + grace if t is None else min(started + grace, t + s.stop_grace_s)
+
         self._claimer_stop.set()
         self._claimer_wake.set()
         claimer.join(timeout=max(0.0, min(0.5, grace / 6)))
-        # Complete chunks already handed to the main loop's queue are committed too.
         with self._open_lock:
             complete = [ch for ch in self.open.values() if ch.complete and not ch.dropped]
         for chunk in complete:
             self._finish_chunk(chunk)
-        self._commit_q.put(None)
-        committer.join(timeout=max(0.0, (deadline - time.monotonic()) * 0.6))
+        self._commit_until = started + (deadline() - started) * 0.5
+        self._committer_stop.set()
+        committer.join(timeout=max(0.0, self._commit_until - time.monotonic()))
         self.leases.give_up_owner = "main"
-        remaining = max(0.2, deadline - time.monotonic())
+        remaining = max(0.2, deadline() - time.monotonic())
         self._release_open("stopping", keep_errors=keep_errors, deadline_s=remaining)
-        while True:  # leases the committer did not get to, and claims never opened
-            try:
-                left = self._commit_q.get_nowait()
-            except queue.Empty:
-                break
-            if left is None or left.lease is None or left.lease.state is not State.QUEUED:
-                continue
-            try:  # complete but not committed in time: all its rows become a partial for the next owner
-                self.store.put(self.layout.partial_key(left.index), encode_part(list(left.results.values())))
-            except Exception as exc:  # noqa: BLE001 - best effort
-                logger.warning("could not save the rows of complete chunk %d: %s", left.index, exc)
-            if self.leases.move(left.lease, State.RELEASED, "main"):
-                self.chunks.release(left.lease, deadline_s=max(0.1, deadline - time.monotonic()))
-        for lease in self.leases.live():
-            if lease.state is State.COMMITTING:
-                continue  # the committer's: its conditional write decides
+        jobs: list[tuple[Lease, list[dict[str, Any]]]] = []
+        with self._committing_lock:
+            queued = list(self._queued.values())
+        for chunk in queued:  # complete, not committed in time: all rows become a partial
+            lease = chunk.lease
+            if lease is not None and lease.state in (State.QUEUED, State.COMMITTING) \
+                    and self.leases.move(lease, State.RELEASED, "main"):
+                jobs.append((lease, list(chunk.results.values()) if chunk.base_rows is None else []))
+        for lease in self.leases.live():  # parked claims, and any claim the claimer made late
             if self.leases.move(lease, State.RELEASED, "main"):
-                self.chunks.release(lease, deadline_s=max(0.1, deadline - time.monotonic()))
-        self.keeper.stop(timeout_s=max(0.1, deadline - time.monotonic()))
+                jobs.append((lease, []))
+        self._hand_back(jobs, deadline())
+        self.keeper.stop(timeout_s=max(0.1, deadline() - time.monotonic()))
