@@ -743,6 +743,14 @@ class Worker:
 
     def _claim_step(self) -> OpenChunk | None | bool:
         """One claimer step: an OpenChunk, None (nothing to claim now) or False (waited, go on)."""
+        suspect = self._suspect_since
+        if suspect is not None and time.monotonic() - suspect >= self.settings.handoff_after_s:
+            # The server is failing: parked claims go to the fleet with the open chunks (main
+            # hands those back; these are the claimer's own).
+            while self._unopened:
+                lease, _ = self._unopened.popleft()
+                if not lease.gone:
+                    self._release_claimed(lease)
         while self._unopened:
             lease, repairing = self._unopened[0]
             if lease.gone:
