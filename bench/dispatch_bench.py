@@ -562,7 +562,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     phases: dict[str, float] = {"fleet_start_s": time.monotonic() - t_phase}
     name = f"{scenario}-{client_kind}"
     prefix = f"out/{name}"
-    out_bucket = f"{BUCKET}-{scenario}-{client_kind}-{int(time.time())}"
+    out_bucket = f"{BUCKET}-{scenario.replace('_', '-')}-{client_kind}-{int(time.time())}"
     s3 = _s3(moto.endpoint)
     s3.create_bucket(Bucket=out_bucket)
     try:
