@@ -634,6 +634,8 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             raise RuntimeError("the killed scenario finished before server 0 was crashed; use more prompts")
         res["measure"] = m = measure(stats, useful, 0 if kill else None, monitor.crash_t, monitor.samples, args.prompts)
         m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, 0 if kill else None, m["crash_after_s"])
+        if all_turns:  # "all dispatched" counts requests against prompts: meaningless with several turns per row
+            m["all_dispatched_after_s"] = m["drain_s"] = None
         res["timeline"] = [(round(t - m["t0"], 2), r, w) for (t, r, _), w in zip(monitor.samples, monitor.waiting)]
         res["scenario"], res["client"], res["expected_rows"] = scenario, client_kind, args.prompts
         res["phases"] = {k: round(v, 2) for k, v in phases.items()}
