@@ -51,6 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "bench"
 PROMPTS_KEY = "in/prompts.jsonl"
+CONVERSATIONS_KEY = "in/conversations.jsonl"  # the all_turns scenario's multi-turn rows
 MODEL = "Qwen/Qwen3-8B"
 
 BASELINE_BATCH = 500
@@ -119,6 +120,35 @@ def _prompt_rows(n: int) -> list[dict[str, Any]]:
                                       f"and give the answer for case {rng.randint(1, 10**9)}."}
         for i in range(n)
     ]
+
+
+def _conversation_rows(n: int) -> list[dict[str, Any]]:
+    """Multi-turn rows for the all_turns scenario: 1 to 3 old answers each (2 on average), so a
+    conversation is 2 to 4 sequential requests on one server."""
+    rng = random.Random(4321)
+    rows = []
+    for i, row in enumerate(_prompt_rows(n)):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        for k in range(rng.randint(1, 3)):
+            msgs += [{"role": "assistant", "content": f"An old answer {k} to question {i}: {rng.randint(1, 10**6)}."},
+                     {"role": "user", "content": f"Follow-up {k}: check that result another way, briefly."}]
+        rows.append({"id": row["id"], "messages": msgs})
+    return rows
+
+
+def _row_tokens_in_plan_order(s3: Any, output_uri: str) -> list[int]:
+    """Output tokens of every row (a conversation: the sum of its turns), in plan order, for the bound."""
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.records import read_parquet
+
+    lay = DatasetLayout.from_uri(output_uri)
+    keys = sorted(o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=lay.bucket, Prefix=lay.completions_prefix) for o in page.get("Contents", []))
+    out: list[int] = []
+    for key in keys:
+        tbl = read_parquet(s3.get_object(Bucket=lay.bucket, Key=key)["Body"].read(), ["completion_tokens"])
+        out += [int(v or 0) for v in tbl.column("completion_tokens").to_pylist()]
+    return out
 
 
 class Moto:
@@ -525,13 +555,14 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 
     server_sets = ["0:slow_factor=2.0"] if scenario == "slow" else []
+    all_turns = scenario == "all_turns"
     kill = scenario == "killed"
     t_phase = time.monotonic()
     fleet = Fleet(args, server_sets, workdir)
     phases: dict[str, float] = {"fleet_start_s": time.monotonic() - t_phase}
     name = f"{scenario}-{client_kind}"
     prefix = f"out/{name}"
-    out_bucket = f"{BUCKET}-{scenario}-{client_kind}-{int(time.time())}"
+    out_bucket = f"{BUCKET}-{scenario.replace('_', '-')}-{client_kind}-{int(time.time())}"
     s3 = _s3(moto.endpoint)
     s3.create_bucket(Bucket=out_bucket)
     try:
@@ -540,10 +571,13 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
         monitor = Monitor(fleet.urls, args.prompts, kill, expected_wall)
         if client_kind == "ours":
             params = {
-                "prompts_uri": f"s3://{BUCKET}/{PROMPTS_KEY}", "output_uri": f"s3://{out_bucket}/{prefix}",
+                "prompts_uri": f"s3://{BUCKET}/{CONVERSATIONS_KEY if all_turns else PROMPTS_KEY}",
+                "output_uri": f"s3://{out_bucket}/{prefix}",
                 "servers": fleet.urls, "save_every": args.save_every, "max_tokens": scaled_max_tokens(args),
                 "concurrency_per_server": args.concurrency_per_server,
             }
+            if all_turns:
+                params["regenerate"] = "all_turns"
             cfg = RunConfig.from_params(params)
             run_id = f"bench-{name}"
             t_phase = time.monotonic()
@@ -574,6 +608,10 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             res["rows_present"] = report["prompts"] - report["missing"]
             res["duplicates"] = report["duplicates"]
             useful = int(report["output_tokens"])
+            if all_turns:  # the bound schedules whole conversations (their turns run back to back on one slot)
+                lengths = _row_tokens_in_plan_order(s3, cfg.output_uri)
+                res["turns_generated"] = report.get("turns_generated")
+                res["cached_prompt_tokens"] = report.get("cached_prompt_tokens")
         else:
             spec = {"endpoint": moto.endpoint, "urls": fleet.urls, "prefix": prefix, "bucket": out_bucket,
                     "max_tokens": scaled_max_tokens(args)}
@@ -596,6 +634,8 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
             raise RuntimeError("the killed scenario finished before server 0 was crashed; use more prompts")
         res["measure"] = m = measure(stats, useful, 0 if kill else None, monitor.crash_t, monitor.samples, args.prompts)
         m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, 0 if kill else None, m["crash_after_s"])
+        if all_turns:  # "all dispatched" counts requests against prompts: meaningless with several turns per row
+            m["all_dispatched_after_s"] = m["drain_s"] = None
         res["timeline"] = [(round(t - m["t0"], 2), r, w) for (t, r, _), w in zip(monitor.samples, monitor.waiting)]
         res["scenario"], res["client"], res["expected_rows"] = scenario, client_kind, args.prompts
         res["phases"] = {k: round(v, 2) for k, v in phases.items()}
@@ -638,6 +678,8 @@ def details(results: list[dict[str, Any]]) -> str:
             raised = [w["worker"] + ":" + w["outcome"]["raised"] for w in r["workers"] if w["outcome"] != "ok"]
             v = r["validation"]
             extra = (f" completions={v['completions']} error_rows={v['errors']} requests_sent={r['requests_sent']} sim_requests={sum(m['server_generation_requests'])}"
+                     + (f" turns_generated={r['turns_generated']} cached_prompt_tokens={r['cached_prompt_tokens']}"
+                        if r.get("turns_generated") is not None else "")
                      + (f" raised={raised}" if raised else ""))
         fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         out.append(
@@ -667,7 +709,9 @@ def main(argv: list[str] | None = None) -> int:
                         "mean output tokens per completion (about 14%% end at the cap)")
     p.add_argument("--concurrency-per-server", type=int, default=None,
                    help="the DAG param for our client; default: derived from the server (slots + max(2, slots/4))")
-    p.add_argument("--scenarios", default="uniform,slow,killed")
+    p.add_argument("--scenarios", default="uniform,slow,killed",
+                   help="comma list of uniform, slow, killed, all_turns (multi-turn rows, regenerate=all_turns; "
+                        "our client only: the baseline cannot replay conversations)")
     p.add_argument("--clients", default="ours,baseline")
     p.add_argument("--json-out", default=None)
     p.add_argument("--child", choices=("ours", "baseline"), help=argparse.SUPPRESS)
@@ -688,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     for s in scenarios:
-        if s not in ("uniform", "slow", "killed"):
+        if s not in ("uniform", "slow", "killed", "all_turns"):
             p.error(f"unknown scenario {s!r}")
     workdir = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
     t_start = time.monotonic()
@@ -700,8 +744,13 @@ def main(argv: list[str] | None = None) -> int:
         s3.create_bucket(Bucket=BUCKET)
         data = "\n".join(json.dumps(r) for r in _prompt_rows(args.prompts)).encode() + b"\n"
         s3.put_object(Bucket=BUCKET, Key=PROMPTS_KEY, Body=data)
+        if "all_turns" in scenarios:
+            conv = "\n".join(json.dumps(r) for r in _conversation_rows(args.prompts)).encode() + b"\n"
+            s3.put_object(Bucket=BUCKET, Key=CONVERSATIONS_KEY, Body=conv)
         for scenario in scenarios:
             for client in clients:
+                if scenario == "all_turns" and client == "baseline":
+                    continue
                 t = time.monotonic()
                 res = run_one(args, moto, scenario, client, workdir, lengths)
                 results.append(res)

@@ -50,6 +50,43 @@ def print_report(report: dict[str, Any]) -> None:
     print("\n".join(report_lines(report)))
 
 
+# -- multi-turn sample (issue 14) ------------------------------------------------------------------
+
+
+def print_conversation(s3: Any, bucket: str, prefix: str, width: int = 110) -> None:
+    """One regenerated multi-turn row: the turns a trainer reads next to the answers it replaced."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/completions/").get("Contents", []))
+    for key in keys:
+        rows = pq.read_table(io.BytesIO(s3.get_object(Bucket=bucket, Key=key)["Body"].read()),
+                             columns=["id", "sample", "conversation", "original_messages", "turns", "cut_short",
+                                      "error_class"]).to_pylist()
+        row = next((r for r in rows if not r["error_class"] and len(r["turns"] or []) > 1), None)
+        if row is None:
+            continue
+        old = [m["content"] for m in row["original_messages"] if m["role"] == "assistant"]
+        print(f"A regenerated conversation (id {row['id']}, sample {row['sample']}, {len(row['turns'])} turns, "
+              f"cut short: {row['cut_short'] or 'no'}; from s3://{bucket}/{key}):")
+        k = 0
+        for m in row["conversation"]:
+            text = " ".join((m["content"] or "").split())
+            if m["role"] == "assistant":
+                t = row["turns"][k]
+                think = len((m["reasoning"] or "").split())
+                print(f"  assistant (new, {t['completion_tokens']} tokens, {think} words of reasoning, "
+                      f"{t['cached_tokens']} prompt tokens cached): {text[:width]}")
+                if k < len(old):
+                    print(f"    replaces the original: {' '.join(old[k].split())[:width]}")
+                k += 1
+            else:
+                print(f"  {m['role']}: {text[:width]}")
+        return
+    print("No multi-turn row in this dataset (run with --regenerate all_turns).")
+
+
 def cli_line(airflow_home: Path, *args: str) -> str:
     """The exact command line for the venv's `airflow` against the demo stack (from the current directory).
 
@@ -99,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length-scale", type=float, default=0.05, help="simulated completion length factor")
     parser.add_argument("--token-time-s", type=float, default=0.002, help="simulated seconds per token")
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--regenerate", choices=("last_turn", "all_turns"), default="all_turns",
+                        help="the DAG param: all_turns replays the sample set's multi-turn rows turn by turn")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="the DAG param")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the run")
     parser.add_argument("--home", type=Path, default=REPO / ".stack" / "demo",
                         help="stack state (wiped at start)")
@@ -149,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
             conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,
-                    "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}"}
+                    "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}",
+                    "regenerate": args.regenerate, "samples_per_prompt": args.samples_per_prompt}
             print(cli_line(af.home, "dags", "trigger", DAG_ID, "--conf", json.dumps(conf)), flush=True)
             t1 = time.monotonic()
             run_id = af.trigger(DAG_ID, conf)
@@ -169,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"Report (s3://{BUCKET}/{report_key}):")
                 print_report(report)
+            print()
+            try:
+                print_conversation(stack.s3(), BUCKET, OUTPUT_PREFIX)
+            except Exception as exc:  # noqa: BLE001 - the sample is a courtesy; the run's state decides
+                print(f"No multi-turn sample: {type(exc).__name__}: {exc}")
             print()
             print(f"UI:     {af.ui_run_url(DAG_ID, run_id)}")
             from urllib.parse import quote

@@ -5,6 +5,9 @@ Shapes, as real prompt files mix them:
   * most rows: {"id": "sample-00042", "messages": [{"role": "user", "content": ...}]}
   * some rows: the same with a system message first
   * some rows: {"prompt": "..."} with no id (the pipeline derives one from the content)
+  * every 25th row with messages: a multi-turn conversation (the old answers included, sometimes
+    also the final one), so regenerate=all_turns has turns to replay. Made with their own random
+    stream, so the other rows are the same bytes as before.
 
 Tasks are built from templates with numbers: math word problems, code questions, logic puzzles.
 The same seed gives the same bytes (no time, no hash randomisation), and no two rows repeat.
@@ -237,6 +240,41 @@ def make_rows(count: int, seed: int) -> list[dict[str, object]]:
     return rows
 
 
+FOLLOW_UPS = [
+    "Can you double-check that result another way?",
+    "Now explain it to a twelve-year-old in three sentences.",
+    "What would change if every number in the question were doubled?",
+    "Which step is the easiest to get wrong, and why?",
+    "Give a shorter version of your answer.",
+]
+OLD_ANSWERS = [
+    "Let me work through it. The answer is {n}.",
+    "Short version: {n}, after checking the edge cases.",
+    "I get {n}; the key step is setting up the equation correctly.",
+]
+
+
+def make_multi_turn(rows: list[dict[str, object]], seed: int, every: int = 25) -> int:
+    """Turn every `every`-th row with messages into a multi-turn conversation, in place."""
+    r = random.Random(f"multi-turn:{seed}")
+    made = 0
+    for i in range(0, len(rows), every):
+        row = rows[i]
+        messages = row.get("messages")
+        if not isinstance(messages, list):
+            continue
+        turns = r.randint(1, 3)  # old answers before the last user turn
+        extra: list[dict[str, str]] = []
+        for follow_up in r.sample(FOLLOW_UPS, turns):
+            extra.append({"role": "assistant", "content": r.choice(OLD_ANSWERS).format(n=r.randint(2, 999))})
+            extra.append({"role": "user", "content": follow_up})
+        if r.random() < 0.5:  # the old final answer too (plan drops it: it is what gets regenerated)
+            extra.append({"role": "assistant", "content": r.choice(OLD_ANSWERS).format(n=r.randint(2, 999))})
+        row["messages"] = [*messages, *extra]
+        made += 1
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000)
@@ -245,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = make_rows(args.count, args.seed)
+    multi = make_multi_turn(rows, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(args.out.suffix + ".tmp")
     with tmp.open("w", encoding="utf-8", newline="\n") as fh:
@@ -253,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp.replace(args.out)
     shapes = {"prompt": sum("prompt" in x for x in rows),
               "system": sum(len(x.get("messages", [])) == 2 for x in rows)}  # type: ignore[arg-type]
-    log.info("wrote %d rows (%d bare prompts, %d with a system message), %d bytes to %s",
-             len(rows), shapes["prompt"], shapes["system"], args.out.stat().st_size, args.out)
+    log.info("wrote %d rows (%d bare prompts, %d with a system message, %d multi-turn), %d bytes to %s",
+             len(rows), shapes["prompt"], shapes["system"], multi, args.out.stat().st_size, args.out)
     return 0
 
 

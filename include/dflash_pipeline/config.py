@@ -141,6 +141,27 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "regenerated row samples the same way. Null = no seed.",
         "section": SECTION_SAMPLING,
     },
+    "regenerate": {
+        "type": "string",
+        "enum": ["last_turn", "all_turns"],
+        "default": "last_turn",
+        "description": "'last_turn': the conversation as given, one new answer to its last user turn. "
+        "'all_turns': system and user turns kept verbatim, every assistant turn regenerated in order, each "
+        "request carrying the regenerated answers before it (not their reasoning); a turn that ends with "
+        "'length' or fails for good ends the conversation there (the row's cut_short says why). Rows with "
+        "roles it cannot replay (tool) are rejected in plan. Pinned in the manifest.",
+        "section": SECTION_SAMPLING,
+    },
+    "samples_per_prompt": {
+        "type": "integer",
+        "default": 1,
+        "minimum": 1,
+        "maximum": 64,
+        "description": "Independent samples per prompt, each with its own seed (derived from seed, the id "
+        "and the sample index): exactly one row per (id, sample). Part of the plan: a dataset root keeps "
+        "the value it was planned with.",
+        "section": SECTION_SAMPLING,
+    },
     "save_every": {
         "type": "integer",
         "default": 500,
@@ -262,6 +283,8 @@ class Sampling:
     top_p: float = 0.95
     enable_thinking: bool = True
     seed: int | None = None
+    regenerate: str = "last_turn"
+    samples_per_prompt: int = 1
 
 
 @dataclass(frozen=True)
@@ -328,6 +351,8 @@ class RunConfig:
             top_p=float(get("top_p")),
             enable_thinking=bool(get("enable_thinking")),
             seed=None if get("seed") is None else int(get("seed")),
+            regenerate=str(get("regenerate")),
+            samples_per_prompt=int(get("samples_per_prompt")),
         )
         return cls(
             prompts_uri=params["prompts_uri"],

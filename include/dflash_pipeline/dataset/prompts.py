@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 MAX_ID_LEN = 512
+REGENERATE_MODES = ("last_turn", "all_turns")
 
 
 class PromptFileError(ValueError):
@@ -32,6 +33,8 @@ class Prompt:
     messages: list[dict[str, str]]
     content_hash: bytes
     line: int
+    # The row's messages exactly as read (role, content, reasoning), old answers included.
+    original: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,18 @@ def detect_format(key: str, head: bytes) -> str:
     raise PromptFileError(f"cannot tell the format of {key!r}: use .jsonl, .jsonl.gz or .parquet")
 
 
-def normalize_row(row: Any, line: int) -> Prompt | Reject:
-    """Check one decoded row and turn it into a Prompt, or say exactly what is wrong with it."""
+def _original(msg: dict[str, Any]) -> dict[str, Any]:
+    reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+    return {"role": msg.get("role"), "content": msg.get("content"),
+            "reasoning": reasoning if isinstance(reasoning, str) else None}
+
+
+def normalize_row(row: Any, line: int, regenerate: str = "last_turn") -> Prompt | Reject:
+    """Check one decoded row and turn it into a Prompt, or say exactly what is wrong with it.
+
+    `regenerate="all_turns"` replays every assistant turn, so it also refuses what it cannot replay:
+    tool turns and tool calls (their outputs belong to the original answers), and an assistant turn
+    that does not answer a user turn."""
     if not isinstance(row, dict):
         return Reject(line, f"row is a JSON {type(row).__name__}, expected an object")
     has_messages = row.get("messages") is not None
@@ -84,6 +97,7 @@ def normalize_row(row: Any, line: int) -> Prompt | Reject:
         if not prompt.strip():
             return Reject(line, "'prompt' is empty")
         messages = [{"role": "user", "content": prompt}]
+        original = [{"role": "user", "content": prompt, "reasoning": None}]
     else:
         raw = row["messages"]
         if not isinstance(raw, list) or not raw:
@@ -94,6 +108,15 @@ def normalize_row(row: Any, line: int) -> Prompt | Reject:
                 return Reject(line, f"messages[{i}] is not an object")
             role = msg.get("role")
             content = msg.get("content")
+            if regenerate == "all_turns":
+                if role in ("tool", "function", "ipython"):
+                    return Reject(line, f"messages[{i}].role is {role!r}: regenerate=all_turns cannot replay "
+                                        "tool turns (their output answers the original assistant's tool call)")
+                if role == "assistant" and msg.get("tool_calls"):
+                    return Reject(line, f"messages[{i}] has tool_calls: regenerate=all_turns cannot replay them")
+                if role == "assistant" and (not messages or messages[-1]["role"] != "user"):
+                    return Reject(line, f"messages[{i}] is an assistant turn that does not follow a user turn: "
+                                        "regenerate=all_turns has nothing to answer")
             if role not in ROLES:
                 return Reject(line, f"messages[{i}].role is {role!r}; must be one of {list(ROLES)}")
             if not isinstance(content, str):
@@ -101,6 +124,7 @@ def normalize_row(row: Any, line: int) -> Prompt | Reject:
             if not content.strip():
                 return Reject(line, f"messages[{i}].content is empty")
             messages.append({"role": role, "content": content})
+        original = [_original(m) for m in raw]
         # The old completion being regenerated is dropped: we answer the last user turn anew.
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
@@ -118,7 +142,7 @@ def normalize_row(row: Any, line: int) -> Prompt | Reject:
         if len(pid) > MAX_ID_LEN:
             return Reject(line, f"'id' is longer than {MAX_ID_LEN} characters")
     digest = hashlib.sha256(canonical_messages(messages)).digest()[:16]
-    return Prompt(pid, messages, digest, line)
+    return Prompt(pid, messages, digest, line, original)
 
 
 def _excerpt(raw: bytes | str) -> str:
@@ -126,7 +150,7 @@ def _excerpt(raw: bytes | str) -> str:
     return text[:200]
 
 
-def iter_jsonl(stream: IO[bytes]) -> Iterator[Prompt | Reject]:
+def iter_jsonl(stream: IO[bytes], regenerate: str = "last_turn") -> Iterator[Prompt | Reject]:
     """Rows of a JSONL byte stream; blank lines are skipped, line numbers are 1-based."""
     for lineno, raw in enumerate(stream, start=1):
         if not raw.strip():
@@ -141,13 +165,13 @@ def iter_jsonl(stream: IO[bytes]) -> Iterator[Prompt | Reject]:
         except json.JSONDecodeError as exc:
             yield Reject(lineno, f"malformed JSON: {exc.msg} at column {exc.colno}", _excerpt(text))
             continue
-        result = normalize_row(row, lineno)
+        result = normalize_row(row, lineno, regenerate)
         if isinstance(result, Reject):
             result = Reject(result.line, result.reason, _excerpt(text))
         yield result
 
 
-def iter_parquet(path_or_file: Any, batch_rows: int = 10_000) -> Iterator[Prompt | Reject]:
+def iter_parquet(path_or_file: Any, batch_rows: int = 10_000, regenerate: str = "last_turn") -> Iterator[Prompt | Reject]:
     """Rows of a Parquet file, one record batch at a time (memory bounded by the batch)."""
     import pyarrow.parquet as pq
 
@@ -165,10 +189,10 @@ def iter_parquet(path_or_file: Any, batch_rows: int = 10_000) -> Iterator[Prompt
     for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
         for row in batch.to_pylist():
             rowno += 1
-            yield normalize_row(row, rowno)
+            yield normalize_row(row, rowno, regenerate)
 
 
-def iter_prompt_file(stream: IO[bytes], key: str) -> Iterator[Prompt | Reject]:
+def iter_prompt_file(stream: IO[bytes], key: str, regenerate: str = "last_turn") -> Iterator[Prompt | Reject]:
     """Dispatch on the file's format. Parquet needs seeking, so it is spooled to a temp file."""
     head = stream.read(4)
     fmt = detect_format(key, head)
@@ -180,15 +204,15 @@ def iter_prompt_file(stream: IO[bytes], key: str) -> Iterator[Prompt | Reject]:
             while chunk := rest.read(1 << 20):
                 tmp.write(chunk)
             tmp.seek(0)
-            yield from iter_parquet(tmp)
+            yield from iter_parquet(tmp, regenerate=regenerate)
         return
     if fmt == "jsonl.gz":
         try:
-            yield from iter_jsonl(io.BufferedReader(gzip.GzipFile(fileobj=rest)))  # type: ignore[arg-type]
+            yield from iter_jsonl(io.BufferedReader(gzip.GzipFile(fileobj=rest)), regenerate)  # type: ignore[arg-type]
         except (OSError, EOFError) as exc:
             raise PromptFileError(f"broken gzip stream: {exc}") from exc
         return
-    yield from iter_jsonl(io.BufferedReader(rest))  # type: ignore[arg-type]
+    yield from iter_jsonl(io.BufferedReader(rest), regenerate)  # type: ignore[arg-type]
 
 
 class _Prepend(io.RawIOBase):

@@ -15,12 +15,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# A turn of a conversation as a trainer reads it: the assistant's reasoning kept apart.
+CONV_MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning", pa.string())])
+# What one regenerated assistant turn cost (all_turns mode has several per row).
+TURN_TYPE = pa.struct(
+    [
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("cached_tokens", pa.int64()),
+        ("latency_s", pa.float64()),
+    ]
+)
 
 INPUT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
         ("messages", pa.list_(MESSAGE_TYPE)),
         ("prompt_chars", pa.int64()),
+        # One planned row per (id, sample): plan expands samples_per_prompt into units.
+        ("sample", pa.int32()),
+        ("original_messages", pa.list_(CONV_MESSAGE_TYPE)),
     ]
 )
 
@@ -44,6 +60,12 @@ PART_SCHEMA = pa.schema(
         ("retryable", pa.bool_()),
         ("chunk", pa.int32()),
         ("run_id", pa.string()),
+        ("sample", pa.int32()),
+        ("conversation", pa.list_(CONV_MESSAGE_TYPE)),
+        ("original_messages", pa.list_(CONV_MESSAGE_TYPE)),
+        ("turns", pa.list_(TURN_TYPE)),
+        ("cut_short", pa.string()),
+        ("cached_tokens", pa.int64()),
     ]
 )
 
@@ -63,6 +85,8 @@ def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
                 "id": r["id"],
                 "messages": r["messages"],
                 "prompt_chars": sum(len(m["content"]) for m in r["messages"]),
+                "sample": int(r.get("sample") or 0),
+                "original_messages": r.get("original_messages"),
             }
             for r in rows
         ],
@@ -85,7 +109,30 @@ def warm_up() -> None:
 
 
 def decode_inputs(data: bytes) -> list[dict[str, Any]]:
-    return read_parquet(data, ["id", "messages"]).to_pylist()
+    """The units of one chunk; inputs planned before samples existed read as sample 0."""
+    pf = pq.ParquetFile(io.BytesIO(data))
+    names = set(pf.schema_arrow.names)
+    columns = [c for c in ("id", "messages", "sample", "original_messages") if c in names]
+    rows = pf.read(columns=columns).to_pylist()
+    for r in rows:
+        r["sample"] = int(r.get("sample") or 0)
+        r.setdefault("original_messages", None)
+    return rows
+
+
+def unit_key(row: dict[str, Any]) -> str:
+    """The key of one planned row: the id, with the sample index when it is not 0.
+
+    Sample 0's key is the bare id, so datasets planned before samples existed keep their keys."""
+    sample = int(row.get("sample") or 0)
+    return row["id"] if sample == 0 else f"{row['id']}#sample={sample}"
+
+
+def unit_keys(ids: Sequence[str], samples: Sequence[int | None] | None) -> list[str]:
+    """`unit_key` over columns (samples None: a part or input without a sample column)."""
+    if samples is None:
+        return list(ids)
+    return [i if not s else f"{i}#sample={s}" for i, s in zip(ids, samples)]
 
 
 def encode_part(rows: Iterable[dict[str, Any]]) -> bytes:

@@ -107,13 +107,17 @@ def classify_http_error(status: int, body: str) -> RequestFailure:
     return RequestFailure("BadRequest", f"HTTP {status}: {message}", kind="permanent", status=status)
 
 
-def request_seed(seed: int | None, prompt_id: str) -> int | None:
+def request_seed(seed: int | None, prompt_id: str, sample: int = 0) -> int | None:
+    """The seed of one (id, sample): sample 0 keeps the seed rows had before samples existed."""
     if seed is None:
         return None
-    return int(hashlib.sha256(f"{seed}:{prompt_id}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+    key = f"{seed}:{prompt_id}" if sample == 0 else f"{seed}:{prompt_id}:{sample}"
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
-def build_chat_body(messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str) -> dict[str, Any]:
+def build_chat_body(
+    messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str, sample: int = 0
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -124,7 +128,7 @@ def build_chat_body(messages: list[dict[str, str]], model: str, sampling: Sampli
         "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
         "separate_reasoning": True,
     }
-    seed = request_seed(sampling.seed, prompt_id)
+    seed = request_seed(sampling.seed, prompt_id, sample)
     if seed is not None:
         body["seed"] = seed
     return body
@@ -159,6 +163,9 @@ class Completion:
     completion_tokens: int | None
     reasoning_tokens: int | None
     model: str | None
+    # usage.prompt_tokens_details.cached_tokens: SGLang with --enable-cache-report, vLLM with
+    # --enable-prompt-tokens-details (which leaves it out when 0); None when not reported.
+    cached_tokens: int | None = None
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -182,6 +189,8 @@ def parse_chat_response(data: Any) -> Completion:
     details = usage.get("completion_tokens_details") or {}
     reasoning_tokens = usage.get("reasoning_tokens", details.get("reasoning_tokens"))
     matched = choice.get("matched_stop")
+    prompt_details = usage.get("prompt_tokens_details")
+    cached = prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None
     return Completion(
         reasoning=reasoning,
         content=answer,
@@ -191,6 +200,7 @@ def parse_chat_response(data: Any) -> Completion:
         completion_tokens=usage.get("completion_tokens"),
         reasoning_tokens=reasoning_tokens,
         model=data.get("model"),
+        cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
     )
 
 

@@ -18,7 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
@@ -64,10 +64,13 @@ def chunk_sizes(n: int, save_every: int, n_servers: int) -> list[int]:
     return sizes
 
 
-def chunk_stream(prompts: Iterable[Prompt], save_every: int, n_servers: int) -> Iterator[list[Prompt]]:
+T = TypeVar("T")
+
+
+def chunk_stream(prompts: Iterable[T], save_every: int, n_servers: int) -> Iterator[list[T]]:
     """Cut a stream into the chunks `chunk_sizes` describes, holding only the tail in memory."""
     hold = tail_threshold(save_every, n_servers) + save_every
-    buf: deque[Prompt] = deque()
+    buf: deque[T] = deque()
     for p in prompts:
         buf.append(p)
         if len(buf) >= hold:
@@ -129,7 +132,7 @@ class _Deduper:
 def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[str, Any]:
     """What makes rows under one root comparable. A rerun must match (or accept_pin_changes)."""
     s = cfg.sampling
-    return {
+    pins: dict[str, Any] = {
         "input": {"uri": cfg.prompts_uri, "etag": input_etag, "size": input_size, "limit": cfg.limit},
         "model": cfg.model,
         "sampling": {
@@ -140,6 +143,21 @@ def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[st
             "seed": s.seed,
         },
     }
+    # Pinned only when not the default, so roots planned before these params existed still match.
+    # samples_per_prompt shapes the plan (rows per chunk) and can never change under a root;
+    # regenerate also decides which input rows plan accepts, so it is pinned with the input too.
+    if s.samples_per_prompt != 1:
+        pins["input"]["samples_per_prompt"] = s.samples_per_prompt
+    if s.regenerate != "last_turn":
+        pins["input"]["regenerate"] = s.regenerate
+    return pins
+
+
+def manifest_sampling(manifest: dict[str, Any]) -> dict[str, Any]:
+    """regenerate and samples_per_prompt of a manifest (defaults for roots planned before them)."""
+    pinned = manifest.get("pinned", {}).get("input", {})
+    return {"regenerate": pinned.get("regenerate", "last_turn"),
+            "samples_per_prompt": int(pinned.get("samples_per_prompt", 1))}
 
 
 def diff_pins(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -279,7 +297,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             ) from exc
         stream = _HashingReader(body, sha)
         try:
-            for item in iter_prompt_file(stream, src.key):
+            for item in iter_prompt_file(stream, src.key, cfg.sampling.regenerate):
                 stats.rows_read += 1
                 if isinstance(item, Reject):
                     stats.rejects += 1
@@ -303,10 +321,18 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         except PromptFileError as exc:
             raise PlanError(f"{cfg.prompts_uri}: {exc}") from exc
 
+    def units() -> Iterator[tuple[Prompt, int]]:
+        # One planned row per (id, sample); a prompt's samples are neighbours, so they usually share
+        # a chunk (and a server, whose radix cache then holds the prompt already).
+        for prompt in accepted_prompts():
+            for sample in range(cfg.sampling.samples_per_prompt):
+                yield prompt, sample
+
     sizes: list[int] = []
     try:
-        for index, chunk in enumerate(chunk_stream(accepted_prompts(), cfg.save_every, n_servers)):
-            data = encode_inputs([{"id": p.id, "messages": p.messages} for p in chunk])
+        for index, chunk in enumerate(chunk_stream(units(), cfg.save_every, n_servers)):
+            data = encode_inputs([{"id": p.id, "messages": p.messages, "sample": k, "original_messages": p.original}
+                                  for p, k in chunk])
             key = layout.input_key(plan_id, index)
             with_retries(lambda: out_store.put(key, data), what=f"write {key}")
             sizes.append(len(chunk))
@@ -339,6 +365,9 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "sha256": None if stats.limited else sha.hexdigest(),
             "rows_read": stats.rows_read,
             "prompts": stats.accepted,
+            "samples_per_prompt": cfg.sampling.samples_per_prompt,
+            "rows_planned": sum(sizes),
+            "regenerate": cfg.sampling.regenerate,
             "duplicates_dropped": stats.duplicates_dropped,
             "rejects": stats.rejects,
             "limit": cfg.limit,

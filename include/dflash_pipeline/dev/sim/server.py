@@ -48,6 +48,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
 from dflash_pipeline.dev.sim import lengths
+from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,12 @@ class SimConfig:
     None keeps them open."""
     track_ids: bool = True
     """Count generation requests per prompt hash in stats()["ids"] (spot duplicates)."""
+    radix_cache: bool = True
+    """Model SGLang's radix cache (dev/sim/conversation.py): a prompt prefix seen before is not
+    prefilled again and is reported in usage.prompt_tokens_details.cached_tokens."""
+    track_history: bool = False
+    """Audit history turns: count those that are / are not this server's own earlier answers
+    (stats()["conversation"])."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -222,7 +229,7 @@ class _Job:
     """One unit of work in the batcher: a chat completion or a /health_generate probe."""
 
     __slots__ = ("kind", "tokens", "prompt_tokens", "arrive_t", "admit_t", "finish_t",
-                 "service_s", "event", "aborted")
+                 "service_s", "event", "aborted", "cached")
 
     def __init__(self, kind: str, tokens: int, prompt_tokens: int, arrive_t: float) -> None:
         self.kind = kind
@@ -234,6 +241,7 @@ class _Job:
         self.service_s = 0.0
         self.event = threading.Event()
         self.aborted = False
+        self.cached = 0
 
 
 def _zero_stats() -> dict[str, Any]:
@@ -359,7 +367,7 @@ class _Scheduler:
     def _admit(self, job: _Job, at: float) -> None:
         config = self.owner.config
         job.admit_t = at
-        job.service_s = (job.prompt_tokens * config.prefill_time_per_token_s
+        job.service_s = ((job.prompt_tokens - job.cached) * config.prefill_time_per_token_s
                          + job.tokens * config.token_time_s * config.slow_factor)
         job.finish_t = at + job.service_s
         heapq.heappush(self.heap, (job.finish_t, next(self.seq), job))
@@ -745,6 +753,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if config.track_ids:
             sim._note_prompt(lengths.prompt_hash(messages)[:16])
+        cached = sim.conversations.on_request(messages, prompt_tokens, config.track_history)
+        if not config.radix_cache:
+            cached = 0
 
         fault = sim._draw_fault()
         if fault == "error":
@@ -761,7 +772,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
 
-        plan = lengths.plan_lengths(messages, seed=config.seed, mean_tokens=config.mean_tokens,
+        req_seed = self._req_seed
+        plan = lengths.plan_lengths(messages, seed=config.seed if req_seed is None else config.seed * 1_000_003 + req_seed,
+                                    mean_tokens=config.mean_tokens,
                                     length_scale=config.length_scale,
                                     enable_thinking=enable_thinking)
         cap = max_tokens if max_tokens is not None else config.context_length - prompt_tokens
@@ -774,6 +787,7 @@ class _Handler(BaseHTTPRequestHandler):
                                                 separate_reasoning=parser_on)
             completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
         job = _Job("chat", completion.completion_tokens, prompt_tokens, time.monotonic())
+        job.cached = cached
         if not sim._sched.submit(job, self.server.dead):
             self._error(503, QUEUE_FULL_MSG, "ServiceUnavailableError")
             return
@@ -781,6 +795,8 @@ class _Handler(BaseHTTPRequestHandler):
         if job.aborted:
             self._reset()
             return
+        if completion.finish_reason in ("stop", "length"):
+            sim.conversations.on_answer(messages, completion.content, config.track_history)
         self._send_json(200, {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",
@@ -799,7 +815,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion.completion_tokens,
                 "total_tokens": prompt_tokens + completion.completion_tokens,
-                "prompt_tokens_details": None,
+                "prompt_tokens_details": {"cached_tokens": cached} if config.radix_cache else None,
                 "reasoning_tokens": completion.reasoning_tokens,
             },
         })
@@ -837,6 +853,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._bad_request("chat_template_kwargs must be an object")
             return None
         enable_thinking = bool(kwargs.get("enable_thinking", True))
+        seed = obj.get("seed")
+        self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
 
@@ -866,6 +884,7 @@ class SimServer:
         fault_seed = self.config.fault_seed if self.config.fault_seed is not None \
             else self.config.seed
         self._fault_rng = random.Random(f"sim-faults:{fault_seed}")
+        self.conversations = ConversationModel()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1048,11 +1067,13 @@ class SimServer:
         })
         if not self.config.track_ids:
             snapshot.pop("ids", None)
+        snapshot["conversation"] = self.conversations.stats()
         return snapshot
 
     def reset_stats(self) -> None:
         """Zero the counters (running/waiting stay live); busy time restarts from now."""
         self._sched.reset_stats()
+        self.conversations.reset()
 
     # -- helpers for the handler (thread-safe) ------------------------------------------------
 

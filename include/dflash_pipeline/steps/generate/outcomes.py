@@ -69,6 +69,9 @@ def completion_row(
         "latency_s": round(latency_s, 4),
         "chunk": chunk,
         "run_id": run_id,
+        "sample": int(prompt.get("sample") or 0),
+        "original_messages": prompt.get("original_messages"),
+        "cached_tokens": completion.cached_tokens,
     }
 
 
@@ -86,4 +89,6 @@ def error_row(
         "retryable": failure.transient,
         "chunk": chunk,
         "run_id": run_id,
+        "sample": int(prompt.get("sample") or 0),
+        "original_messages": prompt.get("original_messages"),
     }

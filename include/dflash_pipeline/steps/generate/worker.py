@@ -47,7 +47,7 @@ from typing import Any
 
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.dataset.records import decode_inputs, decode_part, encode_part, warm_up
+from dflash_pipeline.dataset.records import decode_inputs, decode_part, encode_part, unit_key, warm_up
 from dflash_pipeline.dataset.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
@@ -68,7 +68,8 @@ from dflash_pipeline.steps.generate.chunks import (
     claim_body,
     claim_doc,
 )
-from dflash_pipeline.steps.generate.outcomes import FINISHED, completion_row, error_row, judge, unexpected_failure
+from dflash_pipeline.steps.generate.conversation import conversation_row, run_conversation
+from dflash_pipeline.steps.generate.outcomes import FINISHED, error_row, judge, unexpected_failure
 
 logger = logging.getLogger(__name__)
 
@@ -389,17 +390,20 @@ class Worker:
 
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
-        """Never raises: whatever happens becomes this row's outcome (a failed request is a row)."""
+        """Never raises: whatever happens becomes this row's outcome (a failed request is a row).
+
+        One unit is one (id, sample); in all_turns mode its whole conversation runs here, turn
+        after turn on this thread's server (conversation.py has the rules)."""
         chunk, prompt = item
         s = self.settings
         out = _Outcome(chunk, prompt)
-        try:
-            body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
+
+        def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
+            body = build_chat_body(messages, s.model, s.sampling, prompt["id"], int(prompt.get("sample") or 0))
             for attempt in range(1, s.max_attempts + 1):
-                out.attempts = attempt
+                out.attempts += 1
                 if chunk.dropped or self._stop_requested.is_set() or (chunk.lease is not None and chunk.lease.gone):
-                    out.failure = None  # not a result: never stored as an error row
-                    return out
+                    return None  # stopped or dropped: not a result, never an error row
                 try:
                     completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
                     out.done_t = time.monotonic()
@@ -410,16 +414,24 @@ class Worker:
                     if out.first_failure_t is None:
                         out.first_failure_t = out.last_failure_t
                     if not exc.transient or attempt == s.max_attempts:
-                        return out
+                        raise
                     delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                     self._stop_requested.wait(delay)
                     continue
                 out.failure = None
-                out.row = completion_row(
-                    prompt, completion, model=s.model, server=s.server.name, attempts=attempt,
-                    latency_s=latency, chunk=chunk.index, run_id=s.run_id,
-                )
-                return out
+                return completion, latency, attempt
+            return None
+
+        try:
+            res = run_conversation(prompt["messages"], s.sampling.regenerate, send)
+            if res.stopped:
+                out.failure = None  # a failure seen before the stop is not this row's outcome
+            elif res.failure is not None:
+                out.failure = res.failure
+            elif res.turns and not res.stopped:
+                out.failure = None  # a permanent refusal that only cut the conversation short
+                out.row = conversation_row(prompt, res, model=s.model, server=s.server.name,
+                                           chunk=chunk.index, run_id=s.run_id)
         except Exception as exc:  # noqa: BLE001 - one row's failure, never the task's
             logger.warning("request for %s failed unexpectedly: %r", prompt.get("id"), exc)
             out.row = None
@@ -626,7 +638,8 @@ class Worker:
                 self._release_claimed(lease)
                 return None
             rows = decode_part(got[0]).to_pylist()
-            redo = [{"id": r["id"], "messages": r["messages"]} for r in rows if self._wants_redo(r)]
+            redo = [{"id": r["id"], "messages": r["messages"], "sample": int(r.get("sample") or 0),
+                     "original_messages": r.get("original_messages")} for r in rows if self._wants_redo(r)]
             body = self._marker_body(marker) or {}
             if not redo:
                 self._settle_marker(c, marker, rows, body)
@@ -651,15 +664,15 @@ class Worker:
         chunk = OpenChunk(c, lease, decode_inputs(got[0]))
         partial = partial_f.result()
         if partial is not None:
-            ids = {p["id"] for p in chunk.prompts}
+            ids = {unit_key(p) for p in chunk.prompts}
             for row in decode_part(partial[0]).to_pylist():
                 # Only rows that are results for good: a completion that finished (older code may
                 # have saved an aborted one) or a permanent error; anything else is redone.
                 usable = (row.get("finish_reason") in FINISHED) if not row.get("error_class") \
                     else not row.get("retryable")
-                if row["id"] in ids and usable:
-                    chunk.results[row["id"]] = row
-            chunk.todo = [p for p in chunk.prompts if p["id"] not in chunk.results]
+                if unit_key(row) in ids and usable:
+                    chunk.results[unit_key(row)] = row
+            chunk.todo = [p for p in chunk.prompts if unit_key(p) not in chunk.results]
             logger.info("chunk %d: %d row(s) saved by a worker that gave up are reused", c, len(chunk.results))
         if not self.leases.move(lease, State.OPEN, "claimer"):
             return None
@@ -855,9 +868,9 @@ class Worker:
         if not self.leases.move(lease, State.COMMITTING, "committer"):
             return
         if chunk.base_rows is not None:
-            rows = [chunk.results.get(r["id"], r) for r in chunk.base_rows]
+            rows = [chunk.results.get(unit_key(r), r) for r in chunk.base_rows]
         else:
-            rows = [chunk.results[p["id"]] for p in chunk.prompts]
+            rows = [chunk.results[unit_key(p)] for p in chunk.prompts]
         key = self.layout.part_key(chunk.index)
         outcome = self.chunks.commit(key, encode_part(rows), nonce=lease.nonce, if_match=chunk.part_etag,
                                      deadline_s=self._commit_deadline())
@@ -989,7 +1002,7 @@ class Worker:
                 return
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
-            pid = out.prompt["id"]
+            pid = unit_key(out.prompt)
             if (
                 f.transient
                 and (out.last_failure_t or 0) >= self._last_success_t
@@ -1016,7 +1029,7 @@ class Worker:
                 self.stats.permanent_errors += 1
                 self._last_permanent = f"{f.error_class}: {f.message[:200]}"
                 self._check_breaker()
-        chunk.results[row["id"]] = row
+        chunk.results[unit_key(row)] = row
         if chunk.complete:
             self._finish_chunk(chunk)
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_pipeline.dataset.records import unit_keys
 from dflash_pipeline.steps.validate.histogram import Histogram
 from dflash_pipeline.steps.validate.tally import (
     LIST_LIMIT,
@@ -110,7 +111,9 @@ class Validator:
 
     # -- coverage ------------------------------------------------------------------------------
     def add_chunk(self, planned_ids: list[str], part: pa.Table | None) -> None:
-        """One planned chunk and its part (None when the part is absent)."""
+        """One planned chunk and its part (None when the part is absent).
+
+        Ids are unit keys (`records.unit_key`): one row per (id, sample), sample 0 being the bare id."""
         t = self.t
         t.prompts += len(planned_ids)
         if part is None:
@@ -123,7 +126,8 @@ class Validator:
         keep: list[int] = []
         dups: list[str] = []
         foreign: list[str] = []
-        ids = part.column("id").to_pylist()
+        ids = unit_keys(part.column("id").to_pylist(),
+                        part.column("sample").to_pylist() if "sample" in part.column_names else None)
         for i, pid in enumerate(ids):
             pid = "<null>" if pid is None else pid
             if pid in present:
@@ -179,6 +183,11 @@ class Validator:
     # -- per-row checks (vectorised) -------------------------------------------------------------
     def _tally_rows(self, tbl: pa.Table) -> None:
         t = self.t
+        if "sample" in tbl.column_names:
+            for k, cnt in zip(*value_counts(pc.fill_null(tbl.column("sample"), 0))):
+                t.samples[int(k)] += cnt
+        else:
+            t.samples[0] += tbl.num_rows
         servers = np.asarray(pc.fill_null(tbl.column("server"), "?").to_pylist(), dtype=object)
         is_err = to_numpy(pc.greater(pc.binary_length(tbl.column("error_class")), 0), False)
         unfinished = unfinished_mask(tbl) & ~is_err
@@ -268,6 +277,7 @@ class Validator:
             key = name if name in t.by_finish or len(t.by_finish) < MAX_FINISH_KEYS else "other"
             t.by_finish.setdefault(key, Histogram()).add(ct[(finish == name) & ct_ok])
 
+        self._tally_turns(tbl)
         latency = to_numpy(tbl.column("latency_s"), 0.0).astype(np.float64)
         for name in set(servers.tolist()):
             mask = servers == name
@@ -286,14 +296,44 @@ class Validator:
             t.think_vs_answer_skipped += int((~split).sum())
             t.think_vs_answer.add(rt[split], (ct - rt)[split])
 
+    def _tally_turns(self, tbl: pa.Table) -> None:
+        """Turns generated, conversations cut short (by reason), cached prompt tokens (completions)."""
+        t = self.t
+        names = tbl.column_names
+        if "turns" in names:
+            lens = to_numpy(pc.list_value_length(tbl.column("turns")), 1).astype(np.int64)
+            lens[lens == 0] = 1  # a row written before turns were recorded is one turn
+            t.turns_generated += int(lens.sum())
+            t.multi_turn_rows += int((lens > 1).sum())
+        else:
+            t.turns_generated += tbl.num_rows
+        if "cut_short" in names and tbl.column("cut_short").null_count < tbl.num_rows:
+            for reason, cnt in zip(*value_counts(tbl.column("cut_short").drop_null())):
+                t.cut_short[reason] += cnt
+        if "cached_tokens" in names:
+            col = tbl.column("cached_tokens")
+            t.cached_tokens_reported += tbl.num_rows - col.null_count
+            t.cached_prompt_tokens += int(to_numpy(col, 0).astype(np.int64).sum())
+
     def _recount(
         self, tbl: pa.Table, ct: np.ndarray, ct_ok: np.ndarray, has_reasoning: np.ndarray, id_list: Any
     ) -> tuple[np.ndarray, np.ndarray]:
         rc = self.t.recount
         assert rc is not None
         started = time.perf_counter()
+        messages = tbl.column("messages").to_pylist()
+        if "conversation" in tbl.column_names:
+            # Render what a trainer reads: the regenerated conversation up to its last turn, whose
+            # own tokens are compared with that turn's server count.
+            for i, conv in enumerate(tbl.column("conversation").to_pylist()):
+                if conv:
+                    messages[i] = [_template_message(m) for m in conv[:-1]]
+        if "turns" in tbl.column_names:
+            last_ct = [(ts[-1].get("completion_tokens") if ts else None) for ts in tbl.column("turns").to_pylist()]
+            has_last = np.array([v is not None for v in last_ct], dtype=bool)
+            ct = np.where(has_last, np.array([v or 0 for v in last_ct], dtype=np.int64), ct)
         res = self.recounter.recount(
-            tbl.column("messages").to_pylist(), tbl.column("reasoning").to_pylist(), tbl.column("content").to_pylist()
+            messages, tbl.column("reasoning").to_pylist(), tbl.column("content").to_pylist()
         )
         rc.seconds += time.perf_counter() - started
         out = res.output
@@ -315,6 +355,14 @@ class Validator:
                 pids = id_list()
                 rc.mismatch_ids.extend(pids[i] for i in np.flatnonzero(bad)[: SAMPLE_LIMIT - len(rc.mismatch_ids)])
         return res.reasoning, res.content
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A `conversation` entry as chat templates take it (reasoning as `reasoning_content`)."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    if m.get("reasoning"):
+        out["reasoning_content"] = m["reasoning"]
+    return out
 
 
 def value_counts(col: pa.ChunkedArray) -> tuple[list[str], list[int]]:

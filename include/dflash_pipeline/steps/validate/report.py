@@ -154,6 +154,13 @@ def build_report(
             "output_tokens_by_finish_reason": {k: h.summary() for k, h in sorted(t.by_finish.items())},
         },
         "token_recount": rc,
+        "turns_generated": t.turns_generated,
+        "multi_turn_rows": t.multi_turn_rows,
+        "cut_short": sum(t.cut_short.values()),
+        "cut_short_by_reason": dict(t.cut_short),
+        "cached_prompt_tokens": t.cached_prompt_tokens if t.cached_tokens_reported else None,
+        "cached_tokens_reported_rows": t.cached_tokens_reported,
+        "rows_by_sample": {str(k): v for k, v in sorted(t.samples.items())},
         "chunks": t.chunks,
         "parts_present": t.parts_present,
         "stray_parts": t.stray_parts,
@@ -172,7 +179,8 @@ _MD_FIGURES = (
     "error_rate", "truncation_rate", "truncated", "truncated_in_thinking", "truncated_in_answer", "empty_content",
     "empty_content_not_truncated", "reasoning_missing", "reasoning_unexpected", "think_markers_in_content",
     "think_markers_in_reasoning", "reasoning_tokens_unreported", "usage_missing", "prompt_tokens", "output_tokens",
-    "reasoning_tokens", "mean_output_tokens", "training_tokens",
+    "reasoning_tokens", "mean_output_tokens", "training_tokens", "turns_generated", "multi_turn_rows", "cut_short",
+    "cut_short_by_reason", "cached_prompt_tokens", "rows_by_sample",
 )
 
 

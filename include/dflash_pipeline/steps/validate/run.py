@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.dataset.records import read_parquet
+from dflash_pipeline.dataset.records import read_parquet, unit_keys
 from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.steps.validate.checks import Validator, to_numpy, unfinished_mask
 from dflash_pipeline.steps.validate.report import (
@@ -52,6 +52,11 @@ PART_READ_COLUMNS = [
     "latency_s",
     "error_class",
     "retryable",
+    # Added with samples and all_turns; parts written before them lack these (read when present).
+    "sample",
+    "turns",
+    "cut_short",
+    "cached_tokens",
 ]
 
 
@@ -72,6 +77,16 @@ def _ensure_marker(store: Store, layout: DatasetLayout, c: int, part: pa.Table, 
     body = {"run_id": "validation", "retryable": retryable, "permanent": n - retryable}
     with_retries(lambda: store.put(layout.retry_key(c), json.dumps(body).encode()), what="marker")
     logger.info("chunk %d has %d error row(s) without a retry flag; flagged for the next run", c, n)
+
+
+def _present(data: bytes, columns: list[str]) -> list[str]:
+    """The wanted columns a Parquet file has (parts and inputs of older versions lack the new ones)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    names = set(pq.read_schema(io.BytesIO(data)).names)
+    return [c for c in columns if c in names]
 
 
 def _upload(store: Store, key: str, fh: IO[bytes], content_type: str) -> None:
@@ -119,7 +134,7 @@ def run_validation(
             return None if res is None else res[0]
 
         recounter = load_recounter(tokenizer, s3_get, enable_thinking=thinking)
-        columns.append("messages")
+        columns += ["messages", "conversation"]
 
     v = Validator(thinking, recounter)
     t = v.t
@@ -139,12 +154,14 @@ def run_validation(
         data = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")
         if data is None:
             raise ValidationFailed(f"input of chunk {c} is missing; the plan under {layout.uri} is damaged")
-        planned_ids = read_parquet(data[0], ["id"]).column("id").to_pylist()
+        planned = read_parquet(data[0], _present(data[0], ["id", "sample"]))
+        planned_ids = unit_keys(planned.column("id").to_pylist(),
+                                planned.column("sample").to_pylist() if "sample" in planned.column_names else None)
         table = None
         if c in parts:
             blob = with_retries(lambda: store.get(parts[c]), what=f"read part {c}")
             if blob is not None:
-                table = read_parquet(blob[0], columns)
+                table = read_parquet(blob[0], _present(blob[0], columns))
         return c, planned_ids, table
 
     try:

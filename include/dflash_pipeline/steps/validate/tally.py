@@ -135,6 +135,13 @@ class Tally:
     think_vs_answer_unit: str = "tokens (server usage)"
     think_vs_answer_skipped: int = 0
     recount: RecountTally | None = None
+    # Conversations (rows) and what their turns cost; a row without a `turns` column is one turn.
+    turns_generated: int = 0
+    multi_turn_rows: int = 0
+    cut_short: Counter[str] = field(default_factory=Counter)
+    cached_prompt_tokens: int = 0
+    cached_tokens_reported: int = 0
+    samples: Counter[int] = field(default_factory=Counter)
 
     def sample(self, check: str, ids: Iterable[str]) -> None:
         kept = self.defect_ids.setdefault(check, [])
