@@ -193,9 +193,14 @@ class ConversationTokenizer:
             if found is None:
                 return None
             pos, cv = found
+            end = pos + len(cv) + len(self.eot)
+            # A stripped answer can also match with the template's own newlines in front of it: the
+            # answer starts no earlier than the end of the reasoning block's closing gap.
+            g = text.rfind(self.gap, body, end - len(self.eot))
+            if g >= 0:
+                pos = max(pos, g + len(self.gap))
             rendered = not t.reasoning or not t.reasoning.strip() or any(
                 rv and text.find(rv, body, pos) >= 0 for rv in text_variants(t.reasoning))
-            end = pos + len(cv) + len(self.eot)
             spans.append(TurnSpan(body, pos, end, rendered))
             cursor = end
         return spans
