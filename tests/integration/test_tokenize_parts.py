@@ -191,3 +191,18 @@ def test_a_missing_part_fails_the_report(s3_client: Any, bucket: str, dataset: D
         write_report(s3_client, planned["datasets"][0])
     report = json.loads(s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_key)["Body"].read())
     assert report["status"] == "incomplete" and report["missing_parts"] == [1, 3]
+
+
+def test_tokenizer_from_s3_gives_the_same_shards(s3_client: Any, bucket: str, dataset: DatasetLayout,
+                                                 qwen_tokenizer: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        s3_client.put_object(Bucket=bucket, Key=f"models/qwen/{name}", Body=(qwen_tokenizer / name).read_bytes())
+    other = _write_dataset(s3_client, bucket, "ds/tok-s3", str(qwen_tokenizer))
+    for layout, spec in ((dataset, None), (other, f"s3://{bucket}/models/qwen")):
+        planned = plan(s3_client, [layout.uri], TokenizeConfig(workers=1, tokenizer=spec))
+        run_assignment(s3_client, planned["assignments"][0])
+        write_report(s3_client, planned["datasets"][0])
+    local, remote = (_read_tokenized(s3_client, bucket, lay) for lay in (dataset, other))
+    assert local.equals(remote)
+    settings = json.loads(s3_client.get_object(Bucket=bucket, Key=other.tokenized_settings_key)["Body"].read())
+    assert settings["tokenizer"] == f"s3://{bucket}/models/qwen"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -59,11 +60,13 @@ def s3_getter(client: Any) -> Any:
     return get
 
 
-def load_tokenizer(client: Any, settings: TokenizeSettings, workdir: Path | None = None) -> ConversationTokenizer:
-    """The recount's loader (local or S3 tokenizer + chat template), wrapped for masks."""
-    rec = load_recounter(settings.tokenizer, s3_getter(client), enable_thinking=settings.enable_thinking,
-                         workdir=workdir)
-    return ConversationTokenizer(rec, settings)
+def load_tokenizer(client: Any, settings: TokenizeSettings) -> ConversationTokenizer:
+    """The recount's loader (local or S3 tokenizer + chat template), wrapped for masks. Files fetched
+    from S3 go to a temporary folder removed once loaded (the tokenizer is then in memory)."""
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as tmp:
+        rec = load_recounter(settings.tokenizer, s3_getter(client), enable_thinking=settings.enable_thinking,
+                             workdir=Path(tmp))
+        return ConversationTokenizer(rec, settings)
 
 
 def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
