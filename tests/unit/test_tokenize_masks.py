@@ -178,3 +178,12 @@ def test_tokenize_table_drops_errors_flags_truncation_and_reads_both_part_shapes
     assert out.column("sample").to_pylist() == [1] and export[0]["id"] == "m#s1"
     assert stats.trained_turns == 2 and stats.conversations_by_assistant_turns == {"2": 1}
     assert stats.reasoning_reinlined_turns == 1
+
+
+def test_thinking_off_dataset_trains_the_answer_after_the_header(qwen_tokenizer: Path) -> None:
+    ct = _ct(qwen_tokenizer, enable_thinking=False)
+    assert ct.header == "<|im_start|>assistant\n"  # the generation prompt's empty think block is not header
+    (r,) = ct.encode([[Turn("user", "Hi"), Turn("assistant", "Hello there.")]])
+    runs = _masked_runs(r.input_ids, r.loss_mask)
+    assert [ct.tokenizer.decode(x.tolist(), skip_special_tokens=False) for x in runs] == [
+        "<think>\n\n</think>\n\nHello there.<|im_end|>"]
