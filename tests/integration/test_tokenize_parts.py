@@ -175,7 +175,7 @@ def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bu
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    assert sum(r["written"] for r in results) == PARTS
+    assert sum(r["written"] for r in results) == PARTS, results
     assert sum(r["written"] + r["present"] + r["lost_race"] for r in results) == 2 * PARTS
     parts = [k for k in _objects(s3_client, bucket, dataset.tokenized_prefix) if k.endswith(".parquet")]
     assert len(parts) == PARTS
