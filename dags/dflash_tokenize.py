@@ -1,12 +1,17 @@
 """
-### dflash_tokenize (example consumer)
+### dflash_tokenize
 
-Runs whenever `dflash_generate` validated a dataset: it is scheduled on the
-`dflash_completions` asset, whose events carry the dataset's `output_uri`, `manifest_key`,
-`report_key` and headline counts. This example only checks the hand-off (manifest and a passed
-report exist, the counts agree); a real tokenization step starts from the same fields.
+Turns a validated dataset into what a drafter trainer reads: loss-masked token shards
+(`tokenized/part-NNNNNN.parquet`: `id`, `sample`, `input_ids`, `loss_mask`, `num_tokens`,
+`num_loss_tokens`, `truncated_to_max_length`) and SpecForge's conversations JSONL
+(`export/conversations/part-NNNNNN.jsonl`), one output part per completions part, exactly once.
 
-Triggered by hand, it checks the dataset named by the `output_uri` param instead.
+Scheduled on the `dflash_completions` asset (every validated `dflash_generate` run queues it, the
+event names the dataset); triggered by hand it tokenizes the dataset named by `output_uri`.
+`prepare` checks the hand-off and the tokenizer and splits the parts among `workers` →
+`tokenize` (one mapped task per worker; parts already written are skipped) → `report` writes
+`tokenized/report.json` + `.md` and emits the `dflash_tokenized` asset event.
+Params and layout are described in the project's README.
 """
 
 from __future__ import annotations
@@ -15,45 +20,47 @@ from typing import Any
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dflash_pipeline.tasks import completions_asset
+from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS
+from dflash_pipeline.tasks import completions_asset, tokenized_asset
+
+PARAMS = {
+    name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
+    for name, schema in TOKENIZE_PARAM_SCHEMAS.items()
+}
 
 
 @dag(
     dag_id="dflash_tokenize",
     schedule=[completions_asset()],
     catchup=False,
-    tags=["dflash", "training-data", "consumer"],
+    tags=["dflash", "training-data", "tokenize"],
     doc_md=__doc__,
     default_args={"retries": 1},
-    params={
-        "aws_conn_id": Param("aws_default", type="string", minLength=1,
-                             description="Airflow connection id (type aws) of the datasets' S3 store."),
-        "output_uri": Param(None, type=["null", "string"],
-                            description="Manual runs only: the dataset root to check (asset runs use the event)."),
-    },
+    params=PARAMS,
 )
 def dflash_tokenize() -> None:
     @task(inlets=[completions_asset()])
-    def check_handoff() -> list[dict[str, Any]]:
-        from airflow.sdk.exceptions import AirflowFailException
-
+    def prepare() -> list[dict[str, Any]]:
         from dflash_pipeline import tasks
-        from dflash_pipeline.steps import handoff
 
         ctx = get_current_context()
-        events = ctx["triggering_asset_events"].get(completions_asset(), []) if ctx.get("triggering_asset_events") else []
-        extras = handoff.extras_from_events(events)
-        if not extras and ctx["params"].get("output_uri"):
-            extras = [{"output_uri": ctx["params"]["output_uri"]}]
-        if not extras:
-            raise AirflowFailException("no dflash_completions asset event and no output_uri param: nothing to check")
-        client = tasks.s3_client(ctx["params"]["aws_conn_id"])
-        try:
-            return [dict(handoff.check_handoff(client, extra), event=extra) for extra in extras]
-        except handoff.HandoffError as exc:
-            raise AirflowFailException(f"HandoffError: {exc}") from exc
+        return tasks.tokenize_prepare(ctx["params"], ctx.get("triggering_asset_events"))
 
-    check_handoff()
+    @task(retries=2)
+    def tokenize(assignment: dict[str, Any]) -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        return tasks.tokenize_worker(get_current_context()["params"], assignment)
+
+    @task(outlets=[tokenized_asset()])
+    def report(assignments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from dflash_pipeline import tasks
+
+        ctx = get_current_context()
+        return tasks.tokenize_report(ctx["params"], assignments[0]["datasets"], ctx["outlet_events"])
+
+    assignments = prepare()
+    tokenize.expand(assignment=assignments) >> report(assignments)
 
 
 dflash_tokenize()

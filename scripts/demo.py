@@ -128,6 +128,46 @@ class Follower:
                 print(f"  {stamp}  {name:<22} {ti.state or 'none'}{tries}", flush=True)
 
 
+# --- the tokenize step (dflash_tokenize, queued by the completions asset) ---------------------------
+
+
+def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
+    """Wait for the asset-triggered dflash_tokenize run to report this dataset; print its shards."""
+    from dflash_pipeline.dataset.layout import DatasetLayout
+
+    layout = DatasetLayout.from_uri(output_uri)
+    s3 = stack.s3()
+    print("dflash_tokenize was queued by the dflash_completions asset event; waiting for its shards ...", flush=True)
+    deadline = time.monotonic() + timeout_s
+    report: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        try:
+            report = json.loads(s3.get_object(Bucket=BUCKET, Key=layout.tokenized_report_key)["Body"].read())
+        except Exception:  # noqa: BLE001 - not written yet
+            report = None
+        if report is not None:
+            break
+        time.sleep(2)
+    if report is None:
+        print(f"No tokenized report at s3://{BUCKET}/{layout.tokenized_report_key} after {timeout_s:.0f} s")
+        return False
+    runs = stack.airflow.rest("GET", "/api/v2/dags/dflash_tokenize/dagRuns", params={"limit": 5}).json()
+    run = (runs.get("dag_runs") or [{}])[-1]
+    shards = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=layout.tokenized_prefix).get("Contents", [])
+              if o["Key"].endswith(".parquet")]
+    s = report["settings"]
+    print(f"Tokenized ({run.get('run_type', '?')} run {run.get('dag_run_id', '?')}): {report['status']}, "
+          f"{len(shards)} shards, {report['rows_out']:,} rows ({report['rows_dropped']:,} dropped: "
+          f"{report['dropped_by_reason']}), {report['tokens']:,} tokens, {report['loss_tokens']:,} with loss "
+          f"({report['loss_token_share']:.1%}), {report['truncated_to_max_length']:,} cut at max_length {s['max_length']}")
+    print(f"        tokenizer {s['tokenizer']} (validation's), train_turns {s['train_turns']}, "
+          f"loss_on_reasoning {s['loss_on_reasoning']}")
+    print(f"        shards  s3://{BUCKET}/{layout.tokenized_prefix}part-*.parquet (id, sample, input_ids, loss_mask, ...)")
+    print(f"        export  s3://{BUCKET}/{layout.export_conversations_prefix}part-*.jsonl (SpecForge conversations)")
+    print(f"        report  s3://{BUCKET}/{layout.tokenized_report_md_key}")
+    return report["status"] == "complete"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run dflash_generate end to end on a local stack.")
     parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
@@ -175,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Starting moto S3, {args.servers} simulated SGLang servers and Airflow under {args.home} ...", flush=True)
     t0 = time.monotonic()
     state: str | None = None
+    tokenized = False
     try:
         with stack:
             af = stack.airflow
@@ -215,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_conversation(stack.s3(), BUCKET, OUTPUT_PREFIX)
             except Exception as exc:  # noqa: BLE001 - the sample is a courtesy; the run's state decides
                 print(f"No multi-turn sample: {type(exc).__name__}: {exc}")
+            tokenized = state == "success" and follow_tokenize(stack, output_uri, timeout_s=300)
             print()
             print(f"UI:     {af.ui_run_url(DAG_ID, run_id)}")
             from urllib.parse import quote
@@ -252,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     else:
         print("Stopped: Airflow, the simulated servers and moto are down.")
-    return 0 if state == "success" else 1
+    return 0 if state == "success" and tokenized else 1
 
 
 if __name__ == "__main__":

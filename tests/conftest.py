@@ -7,6 +7,8 @@ Fixtures (see each docstring):
 * ``bucket`` (function): a fresh, empty bucket name, emptied and deleted afterwards.
 * ``aws_conn_env`` (function): env so ``S3Hook(aws_conn_id="aws_default")`` and boto3 talk to moto.
 * ``sim_fleet`` (function): factory ``sim_fleet(count=1, **SimConfig fields) -> SimFleet`` (in-process).
+* ``qwen_tokenizer`` (session): directory of Qwen's real BPE (tokenizer.json + tokenizer_config.json),
+  built from the dashscope wheel on first use; skips when the wheel cannot be fetched (fails in CI).
 * ``airflow_dags_dir`` (session): a temporary folder parsed by ``airflow_stack`` as the extra DAG
   bundle ``test-dags``; drop throw-away DAG files in it, then ``airflow_stack.trigger(...)``.
 * ``airflow_stack`` (slow tests only; one stack per session): a running :class:`AirflowStack` with the
@@ -114,6 +116,26 @@ def sim_fleet() -> Iterator[Callable[..., SimFleet]]:
     yield start
     for fleet in reversed(fleets):
         fleet.stop()
+
+
+# ------------------------------------------------------------------------------ Qwen tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Path:
+    """Directory with Qwen's byte-level BPE (151,643 ranks + Qwen3 special tokens) and a Qwen3-style
+    chat template (``make qwen-tokenizer``; cached in ~/.cache/dflash-pipeline/qwen-bpe).
+
+    Skips with the reason when the dashscope wheel cannot be fetched from PyPI, unless
+    ``DFLASH_REQUIRE_QWEN_BPE=1`` (set by .ci/run), where it fails."""
+    from dflash_pipeline.dev.qwen_tokenizer import QwenTokenizerUnavailable, ensure_qwen_tokenizer
+
+    try:
+        return ensure_qwen_tokenizer()
+    except QwenTokenizerUnavailable as exc:
+        if os.environ.get("DFLASH_REQUIRE_QWEN_BPE") == "1":
+            pytest.fail(f"Qwen BPE tokenizer required but unavailable: {exc}")
+        pytest.skip(f"Qwen BPE tokenizer unavailable (the dashscope wheel could not be fetched): {exc}")
 
 
 # ---------------------------------------------------------------------------------- Airflow

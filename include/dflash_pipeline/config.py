@@ -456,3 +456,107 @@ def short_server_labels(names: list[str], max_len: int = 22) -> list[str]:
         labels = [n.split("://", 1)[-1].rstrip("/") or n for n in names]
     short = [b if len(b) <= max_len else "\u2026" + b[-(max_len - 1):] for b in labels]
     return short if len(set(short)) == len(set(labels)) else labels
+
+
+# ------------------------------------------------------------------------------ dflash_tokenize
+
+SECTION_TOKENIZE = "Tokenize"
+
+TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "output_uri": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^s3://[^/]+/.+",
+        "description": "Manual runs: s3://bucket/prefix of a validated dataset root to tokenize. Runs queued "
+        "by the dflash_completions asset take the dataset from the event and ignore this.",
+        "section": SECTION_DATA,
+    },
+    "tokenizer": {
+        "type": ["null", "string"],
+        "default": None,
+        "description": "The training tokenizer: a local tokenizer.json or model directory, "
+        "s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ tokenizer_config.json "
+        "with the chat template). Null = the one validation recounted with (from the dataset's report).",
+        "section": SECTION_TOKENIZE,
+    },
+    "max_length": {
+        "type": "integer",
+        "default": 8192,
+        "minimum": 16,
+        "maximum": 1048576,
+        "description": "Tokens per row at most: longer conversations are cut here and flagged "
+        "truncated_to_max_length (a row left with no trained token is dropped).",
+        "section": SECTION_TOKENIZE,
+    },
+    "train_turns": {
+        "type": "string",
+        "enum": ["all", "last"],
+        "default": "all",
+        "description": "Which assistant turns carry loss: 'all' of them (each with its reasoning), or only "
+        "the 'last'. Everything else (system, user, untrained turns, headers) has loss_mask 0.",
+        "section": SECTION_TOKENIZE,
+    },
+    "loss_on_reasoning": {
+        "type": "boolean",
+        "default": True,
+        "description": "Train the reasoning (its <think> markup included) of the trained turns, not only their "
+        "answers: a drafter for a thinking model must draft the thinking.",
+        "section": SECTION_TOKENIZE,
+    },
+    "drop_truncated": {
+        "type": "boolean",
+        "default": False,
+        "description": "Drop rows whose generation stopped at max_tokens (finish_reason 'length'); counted "
+        "in the report either way.",
+        "section": SECTION_TOKENIZE,
+    },
+    "workers": {
+        "type": "integer",
+        "default": 4,
+        "minimum": 1,
+        "maximum": 256,
+        "description": "Mapped tokenize tasks; the dataset's parts are split among them (each encodes on all "
+        "the cores of its worker).",
+        "section": SECTION_RUN,
+    },
+    "aws_conn_id": {
+        "type": "string",
+        "default": "aws_default",
+        "minLength": 1,
+        "description": "Airflow connection id (type aws) of the datasets' S3 store.",
+        "section": SECTION_DATA,
+    },
+}
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """dflash_tokenize's params, checked (Airflow checks the schemas; this also serves library callers)."""
+
+    output_uri: str | None = None
+    tokenizer: str | None = None
+    max_length: int = 8192
+    train_turns: str = "all"
+    loss_on_reasoning: bool = True
+    drop_truncated: bool = False
+    workers: int = 4
+    aws_conn_id: str = "aws_default"
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
+        params = {k: v for k, v in dict(params).items()}
+        unknown = sorted(set(params) - set(TOKENIZE_PARAM_SCHEMAS))
+        if unknown:
+            raise ConfigError(f"unknown conf key(s) {unknown}; valid keys are {sorted(TOKENIZE_PARAM_SCHEMAS)}")
+        for name, value in params.items():
+            _check_schema(name, value, TOKENIZE_PARAM_SCHEMAS[name])
+        for name in ("output_uri", "tokenizer"):
+            value = params.get(name)
+            if isinstance(value, str) and (name == "output_uri" or value.startswith("s3://")):
+                try:
+                    parse_s3_uri(value, what=name)
+                except UriError as exc:
+                    raise ConfigError(str(exc)) from exc
+        values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
+        values["tokenizer"] = values["tokenizer"] or None
+        return cls(**values)

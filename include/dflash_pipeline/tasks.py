@@ -33,11 +33,13 @@ def _fail_fast() -> Iterator[None]:
     from dflash_pipeline.dataset.store import StoreConfigError
     from dflash_pipeline.steps.generate import ServerConfigError
     from dflash_pipeline.steps.plan import PlanError
+    from dflash_pipeline.steps.tokenize import TokenizeFailed
     from dflash_pipeline.steps.validate import ValidationFailed
 
     try:
         yield
-    except (ConfigError, PlanError, ServerConfigError, StoreConfigError, ValidationFailed, UriError) as exc:
+    except (ConfigError, PlanError, ServerConfigError, StoreConfigError, ValidationFailed, UriError,
+            TokenizeFailed) as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -48,6 +50,15 @@ def completions_asset() -> Any:
     from dflash_pipeline.steps.handoff import ASSET_NAME, ASSET_URI
 
     return Asset(name=ASSET_NAME, uri=ASSET_URI, group="dflash")
+
+
+def tokenized_asset() -> Any:
+    """dflash_tokenize's outlet Asset (named in steps.handoff)."""
+    from airflow.sdk import Asset
+
+    from dflash_pipeline.steps.handoff import TOKENIZED_ASSET_NAME, TOKENIZED_ASSET_URI
+
+    return Asset(name=TOKENIZED_ASSET_NAME, uri=TOKENIZED_ASSET_URI, group="dflash")
 
 
 def s3_client(aws_conn_id: str) -> Any:
@@ -214,3 +225,59 @@ def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any
         outlet_events[completions_asset()].extra = extra
         logger.info("asset event %s: %s", completions_asset().uri, extra)
     return summary
+
+
+# ------------------------------------------------------------------------------ dflash_tokenize
+
+
+def tokenize_config(params: dict[str, Any]) -> Any:
+    from dflash_pipeline.config import TokenizeConfig
+
+    with _fail_fast():
+        return TokenizeConfig.from_params(dict(params))
+
+
+def tokenize_prepare(params: dict[str, Any], triggering_asset_events: Any) -> list[dict[str, Any]]:
+    """Which datasets (the completions asset's events, else the output_uri param), checked and split
+    among the workers: one assignment per worker (each also lists the datasets, for the report)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dflash_pipeline.steps import handoff
+    from dflash_pipeline.steps.tokenize import plan
+
+    cfg = tokenize_config(params)
+    events = triggering_asset_events.get(completions_asset(), []) if triggering_asset_events else []
+    extras = handoff.extras_from_events(events)
+    if not extras and cfg.output_uri:
+        extras = [{"output_uri": cfg.output_uri}]
+    if not extras:
+        raise AirflowFailException("no dflash_completions asset event and no output_uri param: nothing to tokenize")
+    client = s3_client(cfg.aws_conn_id)
+    with _fail_fast():
+        checked = [handoff.check_handoff(client, extra) for extra in extras]
+        planned = plan(client, [c["output_uri"] for c in checked], cfg)
+    return [dict(a, datasets=planned["datasets"]) for a in planned["assignments"]]
+
+
+def tokenize_worker(params: dict[str, Any], assignment: dict[str, Any]) -> dict[str, Any]:
+    from dflash_pipeline.steps.tokenize import run_assignment
+
+    cfg = tokenize_config(params)
+    with _fail_fast():
+        return run_assignment(s3_client(cfg.aws_conn_id), assignment)
+
+
+def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outlet_events: Any = None) -> list[dict[str, Any]]:
+    """Write each dataset's tokenized report; on success the dflash_tokenized event names them."""
+    from dflash_pipeline.steps.handoff import TOKENIZED_FORMAT
+    from dflash_pipeline.steps.tokenize import write_report
+
+    cfg = tokenize_config(params)
+    client = s3_client(cfg.aws_conn_id)
+    keys = ("output_uri", "report_key", "tokenized_prefix", "export_prefix", "rows_in", "rows_out", "rows_dropped",
+            "tokens", "loss_tokens", "truncated_to_max_length")
+    with _fail_fast():
+        summaries = [{k: r[k] for k in keys} for r in (write_report(client, d) for d in datasets)]
+    if outlet_events is not None:
+        outlet_events[tokenized_asset()].extra = {"format": TOKENIZED_FORMAT, "datasets": summaries}
+    return summaries

@@ -1,19 +1,24 @@
-"""The asset hand-off through a real scheduler: a validated dflash_generate run queues dflash_tokenize.
+"""The asset hand-off through a real scheduler: generate → validate → tokenize, then the shards are checked.
 
 dflash_tokenize is scheduled on the `dflash_completions` asset; the scheduler creates its run from the
-event that validate_and_count emitted, and its task reads the event's extra (the dataset's output_uri,
-manifest and report keys) and checks the dataset. Other tests' runs emit events too, so the consumer
-run is found by the output_uri it checked.
+event that validate_and_count emitted; `prepare` reads the event's extra (the dataset's output_uri),
+takes the tokenizer validation recounted with (Qwen's real BPE here), `tokenize` runs mapped over the
+workers and `report` writes tokenized/report.json. Other tests' runs emit events too, so the consumer
+run is found by the output_uri its report names.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import time
+from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
+from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dev.stack import AirflowStack
 
 pytestmark = pytest.mark.slow
@@ -29,7 +34,7 @@ def _consumer_results(stack: AirflowStack) -> list[tuple[dict[str, Any], list[di
             continue
         resp = stack.rest(
             "GET",
-            f"/api/v2/dags/{CONSUMER}/dagRuns/{run['dag_run_id']}/taskInstances/check_handoff/xcomEntries/return_value",
+            f"/api/v2/dags/{CONSUMER}/dagRuns/{run['dag_run_id']}/taskInstances/report/xcomEntries/return_value",
             params={"deserialize": True},
         )
         if resp.status_code == 200:
@@ -38,31 +43,56 @@ def _consumer_results(stack: AirflowStack) -> list[tuple[dict[str, Any], list[di
     return out
 
 
-def test_validated_run_triggers_the_consumer_with_the_dataset(
-    airflow_stack: AirflowStack, sim_fleet, s3_client: Any, bucket: str
+def test_validated_run_is_tokenized_by_the_scheduled_consumer(
+    airflow_stack: AirflowStack, sim_fleet, s3_client: Any, bucket: str, qwen_tokenizer: Path
 ) -> None:
+    from tokenizers import Tokenizer
+
     fleet = sim_fleet(2, token_time_s=0.001, length_scale=0.05, max_running_requests=8)
     body = "\n".join(json.dumps({"id": f"h-{i}", "prompt": f"handoff question {i}"}) for i in range(120))
     s3_client.put_object(Bucket=bucket, Key="p/handoff.jsonl", Body=body.encode())
     output_uri = f"s3://{bucket}/ds/handoff"
     conf = {"prompts_uri": f"s3://{bucket}/p/handoff.jsonl", "output_uri": output_uri, "servers": fleet.urls,
-            "save_every": 40}
+            "save_every": 40, "tokenizer": str(qwen_tokenizer)}
     run_id = airflow_stack.trigger("dflash_generate", conf)
     assert airflow_stack.wait_run("dflash_generate", run_id, timeout_s=300) == "success"
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     found: list[dict[str, Any]] = []
+    consumer_run: dict[str, Any] = {}
     while time.monotonic() < deadline and not found:
-        for run, checked in _consumer_results(airflow_stack):
-            found = [c for c in checked or [] if c.get("output_uri") == output_uri]
+        for run, summaries in _consumer_results(airflow_stack):
+            found = [s for s in summaries or [] if s.get("output_uri") == output_uri]
             if found:
-                assert run["run_type"] == "asset_triggered"
+                consumer_run = run
                 break
         else:
             time.sleep(2)
-    assert found, f"no successful {CONSUMER} run checked {output_uri}"
-    (checked,) = found
-    event = checked["event"]
-    assert event["manifest_key"] == "ds/handoff/manifest.json" and event["report_key"] == "ds/handoff/report.json"
-    assert (event["prompts"], event["completions"], event["missing"]) == (120, 120, 0)
-    assert event["status"] == "passed" and checked["parts"] >= 3
+    assert found, f"no successful {CONSUMER} run tokenized {output_uri}"
+    assert consumer_run["run_type"] == "asset_triggered"
+    (summary,) = found
+    assert (summary["rows_in"], summary["rows_out"], summary["rows_dropped"]) == (120, 120, 0)
+    tis = airflow_stack.task_instances(CONSUMER, consumer_run["dag_run_id"])
+    assert sorted(t.map_index for t in tis if t.task_id == "tokenize") == [0, 1, 2, 3]
+
+    # the shards: one per completions part, every row's mask on its assistant turn only
+    layout = DatasetLayout.from_uri(output_uri)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=layout.root + "/")["Contents"]
+    completions = [o["Key"] for o in listed if o["Key"].startswith(layout.completions_prefix)]
+    shards = sorted(o["Key"] for o in listed if o["Key"].startswith(layout.tokenized_prefix) and o["Key"].endswith(".parquet"))
+    exports = [o["Key"] for o in listed if o["Key"].startswith(layout.export_conversations_prefix)]
+    assert len(shards) == len(completions) == len(exports) >= 3
+    tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
+    rows = tokens = 0
+    for key in shards:
+        table = pq.read_table(io.BytesIO(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            text = tok.decode(ids, skip_special_tokens=False)
+            trained = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+            assert text.startswith("<|im_start|>user\nhandoff question") and text.endswith(trained + "\n")
+            assert trained.startswith("<think>\n") and trained.endswith("<|im_end|>")
+            rows += 1
+            tokens += len(ids)
+    assert rows == 120 and tokens == summary["tokens"]
+    report = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.tokenized_report_key)["Body"].read())
+    assert report["status"] == "complete" and report["settings"]["tokenizer"] == str(qwen_tokenizer)

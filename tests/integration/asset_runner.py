@@ -5,7 +5,7 @@ Like dagtest_runner.py (one RESULT line per run, same fields plus "validate_xcom
   asset (AssetDagRunQueue), read from the metadata DB;
 * one CONSUMER line: the scheduler's own step that turns the queue into an asset-triggered run of
   dflash_tokenize (SchedulerJobRunner._create_dag_runs_asset_triggered), that run executed in-process
-  the way dag.test() runs tasks, its state and the consumer task's XCom (what it received).
+  the way dag.test() runs tasks, its state, task states and the report task's XCom (the tokenized datasets).
 """
 
 from __future__ import annotations
@@ -85,9 +85,11 @@ def _run_consumer(dag: Any) -> dict[str, Any]:
             for ti in [t for t in dr.get_task_instances(session=session) if t.state == TaskInstanceState.SCHEDULED]:
                 _run_task(ti=ti, task=dag.task_dict[ti.task_id])
         run_id, state = dr.run_id, str(dr.state)
+        tasks = sorted((t.task_id, t.map_index, str(t.state)) for t in dr.get_task_instances(session=session))
         run_type = str(dr.run_type)
     return {"state": state, "run_id": run_id, "run_type": run_type, "consumed_events": consumed,
-            "check_handoff": _xcom(CONSUMER, run_id, "check_handoff")}
+            "report": _xcom(CONSUMER, run_id, "report"),
+            "tasks": tasks}
 
 
 def main() -> int:

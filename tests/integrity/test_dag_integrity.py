@@ -22,7 +22,29 @@ def dagbag():
 
 def test_no_import_errors(dagbag) -> None:
     assert dagbag.import_errors == {}
-    assert "dflash_generate" in dagbag.dags
+    assert {"dflash_generate", "dflash_tokenize"} <= set(dagbag.dags)
+
+
+def test_tokenize_shape_prepare_mapped_tokenize_report(dagbag) -> None:
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS
+
+    dag = dagbag.dags["dflash_tokenize"]
+    assert set(dag.task_ids) == {"prepare", "tokenize", "report"}
+    assert dag.get_task("tokenize").upstream_task_ids == {"prepare"}
+    assert dag.get_task("report").upstream_task_ids == {"prepare", "tokenize"}
+    assert isinstance(dag.get_task("tokenize"), MappedOperator), "one mapped task per worker"
+    assert [a.name for a in dag.timetable.asset_condition.objects] == ["dflash_completions"]
+    assert [o.name for o in dag.get_task("report").outlets] == ["dflash_tokenized"]
+    assert set(dag.params.keys()) == set(TOKENIZE_PARAM_SCHEMAS)
+    for name in dag.params.keys():
+        param = dag.params.get_param(name)
+        assert param.description and param.schema.get("type"), name
+    assert dag.params.get_param("max_length").value == 8192
+    assert dag.params.get_param("train_turns").schema["enum"] == ["all", "last"]
+    for task in dag.tasks:
+        assert task.retries >= 1, f"{task.task_id} has no retries"
 
 
 def test_shape_plan_preflight_mapped_generate_validate(dagbag) -> None:
@@ -57,7 +79,8 @@ def test_params_are_the_interface(dagbag) -> None:
     assert dag.params.get_param("max_tokens").value == 4096
 
 
-def test_parse_time_does_no_io_and_reads_no_connections() -> None:
+@pytest.mark.parametrize("dag_module", ["dflash_generate", "dflash_tokenize"])
+def test_parse_time_does_no_io_and_reads_no_connections(dag_module: str) -> None:
     """Parse the DAG in a fresh interpreter where sockets, connections and variables all explode."""
     probe = textwrap.dedent(
         f"""
@@ -76,7 +99,7 @@ def test_parse_time_does_no_io_and_reads_no_connections() -> None:
         Variable.get = staticmethod(no_conn)
         before = set(sys.modules)
         sys.path.insert(0, {str(DAGS)!r})
-        import dflash_generate
+        import {dag_module}
         heavy = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in
                        ("boto3", "botocore", "requests", "pandas", "pyarrow", "tokenizers"))
         print("HEAVY", heavy)

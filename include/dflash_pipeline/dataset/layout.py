@@ -128,6 +128,42 @@ class DatasetLayout:
     def claim_key(self, chunk: int) -> str:
         return f"{self.claims_prefix}chunk-{chunk:0{CHUNK_DIGITS}d}.json"
 
+    # -- tokenize step (dflash_tokenize): one output part per completions part, same index --------
+    @property
+    def tokenized_prefix(self) -> str:
+        return self._k("tokenized/")
+
+    def tokenized_part_key(self, chunk: int) -> str:
+        """The commit point of a part: written last, with If-None-Match."""
+        return f"{self.tokenized_prefix}part-{chunk:0{CHUNK_DIGITS}d}.parquet"
+
+    @property
+    def tokenized_stats_prefix(self) -> str:
+        return self._k("tokenized/stats/")
+
+    def tokenized_stats_key(self, chunk: int) -> str:
+        return f"{self.tokenized_stats_prefix}part-{chunk:0{CHUNK_DIGITS}d}.json"
+
+    @property
+    def tokenized_settings_key(self) -> str:
+        """The settings the shards were made with (pinned by the first run)."""
+        return self._k("tokenized/settings.json")
+
+    @property
+    def tokenized_report_key(self) -> str:
+        return self._k("tokenized/report.json")
+
+    @property
+    def tokenized_report_md_key(self) -> str:
+        return self._k("tokenized/report.md")
+
+    @property
+    def export_conversations_prefix(self) -> str:
+        return self._k("export/conversations/")
+
+    def export_conversations_key(self, chunk: int) -> str:
+        return f"{self.export_conversations_prefix}part-{chunk:0{CHUNK_DIGITS}d}.jsonl"
+
     def run_key(self, run_id: str, name: str) -> str:
         return self._k(f"runs/{safe_run_id(run_id)}/{name}")
 
@@ -135,7 +171,7 @@ class DatasetLayout:
         return self.run_key(run_id, f"progress/{worker}.json")
 
 
-_INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|json)")
+_INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|jsonl|json)")
 
 
 def chunk_of_key(key: str, prefix: str) -> int | None:

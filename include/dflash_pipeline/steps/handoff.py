@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 ASSET_NAME = "dflash_completions"
 ASSET_URI = "x-dflash://completions"
 HANDOFF_FORMAT = "dflash-pipeline/handoff/1"
+TOKENIZED_ASSET_NAME = "dflash_tokenized"
+TOKENIZED_ASSET_URI = "x-dflash://tokenized"
+"""dflash_tokenize's outlet: its event names the tokenized datasets (for a trainer DAG)."""
+TOKENIZED_FORMAT = "dflash-pipeline/tokenized-handoff/1"
 HEADLINE_KEYS = (
     "prompts", "completions", "errors", "missing", "duplicates", "truncated", "prompt_tokens", "output_tokens",
     "reasoning_tokens", "training_tokens",

@@ -199,7 +199,7 @@ _PROBE_REASONING = "probe reasoning text"
 _PROBE_CONTENT = "probe answer text"
 
 
-def _variants(text: str) -> list[str]:
+def text_variants(text: str) -> list[str]:
     """`text` as a template may have written it: as is, then with '\\n' (then all whitespace) stripped."""
     out = [text]
     for v in (text.lstrip("\n"), text.strip("\n"), text.strip()):
@@ -208,7 +208,7 @@ def _variants(text: str) -> list[str]:
     return out
 
 
-def _first_token_at(enc: Any, pos: int, lo: int, hi: int) -> int:
+def first_token_at(enc: Any, pos: int, lo: int, hi: int) -> int:
     """Index of the first token in [lo, hi) whose start offset is >= `pos` (hi if none).
 
     A binary search through `token_to_chars`: ~11 calls for 2,000 tokens, where `enc.offsets`
@@ -273,10 +273,14 @@ class Recounter:
             turn = {"role": "assistant", "content": content}
             if reasoning:
                 turn["reasoning_content"] = reasoning
+        return self.render_messages([*(dict(m) for m in messages), turn])
+
+    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """`messages` (assistant turns may carry `reasoning_content`) rendered with the chat template."""
         return str(
             self.template.render(
-                messages=[*(dict(m) for m in messages), turn],
-                add_generation_prompt=False,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
                 enable_thinking=self.enable_thinking,
                 tools=None,
                 **self.special,
@@ -295,7 +299,7 @@ class Recounter:
             return None, None
         end = len(conv) - len(shape.tail)
         first: tuple[int, int] | None = None
-        for c in _variants(content):
+        for c in text_variants(content):
             if not conv.endswith(c, 0, end):
                 continue
             c_span = (end - len(c), end)
@@ -305,7 +309,7 @@ class Recounter:
             if shape.gap is None or not conv.endswith(shape.gap, 0, c_span[0]):
                 continue
             r_end = c_span[0] - len(shape.gap)
-            for r in _variants(reasoning):
+            for r in text_variants(reasoning):
                 if r and conv.endswith(r, 0, r_end):
                     return (r_end - len(r), r_end), c_span
         return None, first
@@ -342,15 +346,15 @@ class Recounter:
             if c_span is None:
                 alone.append((c_n, i, c))
             elif c_span[0] < c_span[1]:
-                first = _first_token_at(enc, c_span[0], 0, size)
-                c_n[i] = _first_token_at(enc, c_span[1], first, size) - first
+                first = first_token_at(enc, c_span[0], 0, size)
+                c_n[i] = first_token_at(enc, c_span[1], first, size) - first
             if not r:
                 continue
             if r_span is None:
                 alone.append((r_n, i, r))
             else:
-                first = _first_token_at(enc, r_span[0], 0, size)
-                r_n[i] = _first_token_at(enc, r_span[1], first, size) - first
+                first = first_token_at(enc, r_span[0], 0, size)
+                r_n[i] = first_token_at(enc, r_span[1], first, size) - first
         if alone:
             for (target, i, _), k in zip(alone, self.count([t for _, _, t in alone])):
                 target[i] = k

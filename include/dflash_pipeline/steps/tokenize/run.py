@@ -1,0 +1,308 @@
+"""dflash_tokenize's work: plan the parts per worker, tokenize them exactly once, sum the report.
+
+Exactly once and resumable with the same tools as generate: every output key is a function of the
+dataset root and the completions part's index; a part's outputs are written with `If-None-Match: *`
+in the order export JSONL → stats → tokenized Parquet, and the Parquet is the commit point. A worker
+skips a part whose Parquet exists (checked on S3 before the work), and a write that loses a race
+(412) means another worker wrote the same deterministic bytes: nothing to do. The settings are
+pinned in `tokenized/settings.json` by the first run, so a rerun cannot mix shards made with other
+settings. Memory holds one part and the next one being fetched, whatever the dataset's size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from dflash_pipeline.config import ConfigError, TokenizeConfig
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.steps.tokenize.masks import ConversationTokenizer, PartStats, TokenizeSettings, tokenize_table
+from dflash_pipeline.steps.validate.tokencount import load_recounter
+
+logger = logging.getLogger(__name__)
+
+REPORT_FORMAT = "dflash-pipeline/tokenized/1"
+READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation")
+
+
+class TokenizeFailed(Exception):
+    """Parts are missing after every worker ran, or a part cannot be read: the report says which."""
+
+
+def _get_json(store: Store, key: str) -> dict[str, Any] | None:
+    got = with_retries(lambda: store.get(key), what=f"read {key}")
+    return None if got is None else json.loads(got[0])
+
+
+def _put_once(store: Store, key: str, data: bytes, content_type: str) -> bool:
+    """Create `key` unless it exists; False when it already did (another writer, same bytes)."""
+    try:
+        with_retries(lambda: store.put(key, data, if_none_match=True, content_type=content_type), what=f"write {key}")
+        return True
+    except PreconditionFailed:
+        return False
+
+
+def s3_getter(client: Any) -> Any:
+    def get(bucket: str, key: str) -> bytes | None:
+        res = with_retries(lambda: Store(client, bucket).get(key), what=f"read tokenizer {key}")
+        return None if res is None else res[0]
+
+    return get
+
+
+def load_tokenizer(client: Any, settings: TokenizeSettings) -> ConversationTokenizer:
+    """The recount's loader (local or S3 tokenizer + chat template), wrapped for masks. Files fetched
+    from S3 go to a temporary folder removed once loaded (the tokenizer is then in memory)."""
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as tmp:
+        rec = load_recounter(settings.tokenizer, s3_getter(client), enable_thinking=settings.enable_thinking,
+                             workdir=Path(tmp))
+        return ConversationTokenizer(rec, settings)
+
+
+def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
+    """The settings for one dataset: the params, the manifest's enable_thinking, and the tokenizer
+    validation used when the param is null."""
+    manifest = _get_json(store, layout.manifest_key)
+    if manifest is None:
+        raise ConfigError(f"{layout.uri}/manifest.json does not exist: not a dflash_generate dataset")
+    thinking = bool(manifest.get("pinned", {}).get("sampling", {}).get("enable_thinking", True))
+    tokenizer = cfg.tokenizer
+    if not tokenizer:
+        report = _get_json(store, layout.report_key) or {}
+        tokenizer = (report.get("token_recount") or {}).get("tokenizer")
+        if not tokenizer:
+            raise ConfigError(f"{layout.uri}: validation did not recount with a tokenizer, so there is no default; "
+                              "give the tokenizer param (a tokenizer.json, model directory or s3:// prefix)")
+    return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
+                            loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
+                            enable_thinking=thinking)
+
+
+def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings) -> None:
+    """Write tokenized/settings.json once; a later run must ask for the same settings."""
+    body = json.dumps(settings.to_dict(), indent=1, sort_keys=True).encode()
+    if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
+        return
+    pinned = _get_json(store, layout.tokenized_settings_key) or {}
+    if TokenizeSettings.from_dict(pinned) != settings:
+        differ = {k: (pinned.get(k), v) for k, v in settings.to_dict().items() if pinned.get(k) != v}
+        raise ConfigError(
+            f"{layout.uri}/tokenized/ was made with other settings (pinned, asked): {differ}. Ask for the pinned "
+            f"settings, or delete s3://{layout.bucket}/{layout.tokenized_prefix} to tokenize again"
+        )
+
+
+def list_parts(store: Store, prefix: str) -> list[int]:
+    return sorted(c for c in (chunk_of_key(o.key, prefix) for o in store.list(prefix)) if c is not None)
+
+
+def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, Any]:
+    """Check each dataset and the tokenizer, pin the settings, split the parts still to do among
+    `cfg.workers`. Small result (part indices only) for XCom."""
+    datasets: list[dict[str, Any]] = []
+    per_worker: list[list[dict[str, Any]]] = [[] for _ in range(cfg.workers)]
+    slot = 0
+    for uri in dict.fromkeys(output_uris):
+        layout = DatasetLayout.from_uri(uri)
+        store = Store(client, layout.bucket)
+        settings = resolve_settings(store, layout, cfg)
+        ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
+        pin_settings(store, layout, settings)
+        parts = list_parts(store, layout.completions_prefix)
+        done = set(list_parts(store, layout.tokenized_prefix))
+        todo = [c for c in parts if c not in done]
+        logger.info("%s: %d parts, %d already tokenized, %d to do; tokenizer %s (template from %s, header %r, "
+                    "end of turn %r)", layout.uri, len(parts), len(parts) - len(todo), len(todo), settings.tokenizer,
+                    ct.rec.template_source, ct.header, ct.eot)
+        jobs: list[list[int]] = [[] for _ in range(cfg.workers)]
+        for c in todo:
+            jobs[slot % cfg.workers].append(c)
+            slot += 1
+        for w, chunk_list in enumerate(jobs):
+            if chunk_list:
+                per_worker[w].append({"output_uri": layout.uri, "parts": chunk_list, "settings": settings.to_dict()})
+        datasets.append({"output_uri": layout.uri, "parts": len(parts), "already_done": len(parts) - len(todo),
+                         "settings": settings.to_dict()})
+    return {
+        "assignments": [{"worker": w, "jobs": jobs} for w, jobs in enumerate(per_worker)],
+        "datasets": datasets,
+    }
+
+
+def _read_part(store: Store, key: str) -> Any:
+    got = with_retries(lambda: store.get(key), what=f"read {key}")
+    if got is None:
+        raise TokenizeFailed(f"s3://{store.bucket}/{key} disappeared")
+    pf = pq.ParquetFile(io.BytesIO(got[0]))
+    cols = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
+    return pf.read(columns=cols)
+
+
+def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: ConversationTokenizer, table: Any) -> tuple[str, PartStats]:
+    """Tokenize one completions part and write its three outputs (Parquet last). Returns
+    ("written" | "lost_race", stats)."""
+    out, export, stats = tokenize_table(table, ct)
+    jsonl = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in export).encode()
+    _put_once(store, layout.export_conversations_key(chunk), jsonl, "application/x-ndjson")
+    _put_once(store, layout.tokenized_stats_key(chunk), json.dumps(stats.to_dict()).encode(), "application/json")
+    buf = io.BytesIO()
+    pq.write_table(out, buf, compression="zstd")
+    won = _put_once(store, layout.tokenized_part_key(chunk), buf.getvalue(), "application/vnd.apache.parquet")
+    return ("written" if won else "lost_race"), stats
+
+
+def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
+    """One mapped task: tokenize the parts assigned to it (skipping any that exist), part by part."""
+    started = time.monotonic()
+    summary: dict[str, Any] = {"worker": assignment.get("worker"), "written": 0, "present": 0, "lost_race": 0,
+                               "rows": 0, "tokens": 0}
+    for job in assignment.get("jobs", []):
+        layout = DatasetLayout.from_uri(job["output_uri"])
+        store = Store(client, layout.bucket)
+        settings = TokenizeSettings.from_dict(job["settings"])
+        ct = load_tokenizer(client, settings)
+
+        def fetch(c: int) -> Any:
+            if with_retries(lambda: store.head(layout.tokenized_part_key(c)), what="head part") is not None:
+                return None
+            return _read_part(store, layout.part_key(c))
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-fetch") as pool:
+            chunks = list(job["parts"])
+            pending: Future[Any] | None = pool.submit(fetch, chunks[0]) if chunks else None
+            for i, c in enumerate(chunks):
+                assert pending is not None
+                table = pending.result()
+                pending = pool.submit(fetch, chunks[i + 1]) if i + 1 < len(chunks) else None
+                if table is None:
+                    summary["present"] += 1
+                    logger.info("part %d of %s is already tokenized; skipped", c, layout.uri)
+                    continue
+                status, stats = tokenize_part(store, layout, c, ct, table)
+                summary[status] += 1
+                summary["rows"] += stats.rows_out
+                summary["tokens"] += stats.tokens
+                logger.info("part %d of %s: %s, %d rows in, %d out, %d tokens (%d trained)", c, layout.uri, status,
+                            stats.rows_in, stats.rows_out, stats.tokens, stats.loss_tokens)
+    summary["elapsed_s"] = round(time.monotonic() - started, 2)
+    return summary
+
+
+_SUM_KEYS = ("rows_in", "rows_out", "tokens", "loss_tokens", "truncated_to_max_length", "trained_turns",
+             "reasoning_reinlined_turns", "reasoning_missing_turns")
+
+
+def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
+    """Sum the parts' stats; check every completions part has its tokenized part."""
+    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    store = Store(client, layout.bucket)
+    parts = list_parts(store, layout.completions_prefix)
+    done = set(list_parts(store, layout.tokenized_prefix))
+    total: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
+    dropped: dict[str, int] = {}
+    by_turns: dict[str, int] = {}
+    max_tokens = max_turn = 0
+    missing_stats = []
+    for c in parts:
+        if c not in done:
+            continue
+        st = _get_json(store, layout.tokenized_stats_key(c))
+        if st is None:
+            missing_stats.append(c)
+            continue
+        for k in _SUM_KEYS:
+            total[k] += int(st.get(k, 0))
+        for k, v in st.get("dropped", {}).items():
+            dropped[k] = dropped.get(k, 0) + int(v)
+        for k, v in st.get("conversations_by_assistant_turns", {}).items():
+            by_turns[k] = by_turns.get(k, 0) + int(v)
+        max_tokens = max(max_tokens, int(st.get("max_tokens", 0)))
+        max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
+    missing = [c for c in parts if c not in done]
+    rows_out = total["rows_out"]
+    report: dict[str, Any] = {
+        "format": REPORT_FORMAT,
+        "output_uri": layout.uri,
+        "status": "complete" if not missing and not missing_stats else "incomplete",
+        "settings": dataset.get("settings"),
+        "parts": len(parts),
+        "parts_tokenized": len(parts) - len(missing),
+        "missing_parts": missing[:100],
+        "parts_without_stats": missing_stats[:100],
+        **total,
+        "rows_dropped": sum(dropped.values()),
+        "dropped_by_reason": dict(sorted(dropped.items())),
+        "tokens_per_row_mean": round(total["tokens"] / rows_out, 1) if rows_out else 0.0,
+        "tokens_per_row_max": max_tokens,
+        "loss_token_share": round(total["loss_tokens"] / total["tokens"], 4) if total["tokens"] else 0.0,
+        "turns": {
+            "conversations_by_assistant_turns": dict(sorted(by_turns.items(), key=lambda kv: int(kv[0]))),
+            "trained_turns": total["trained_turns"],
+            "loss_tokens_per_trained_turn_mean": round(total["loss_tokens"] / total["trained_turns"], 1)
+            if total["trained_turns"] else 0.0,
+            "loss_tokens_per_trained_turn_max": max_turn,
+            "reasoning_reinlined_turns": total["reasoning_reinlined_turns"],
+            "reasoning_missing_turns": total["reasoning_missing_turns"],
+        },
+        "tokenized_prefix": layout.tokenized_prefix,
+        "export_prefix": layout.export_conversations_prefix,
+        "report_key": layout.tokenized_report_key,
+    }
+    return report
+
+
+def report_markdown(r: dict[str, Any]) -> str:
+    s = r.get("settings") or {}
+    lines = [
+        f"# tokenized: {r['output_uri']}", "",
+        f"Status **{r['status']}**: {r['parts_tokenized']} of {r['parts']} parts. Tokenizer `{s.get('tokenizer')}`, "
+        f"max_length {s.get('max_length')}, train_turns `{s.get('train_turns')}`, loss_on_reasoning "
+        f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}.", "",
+        "| figure | value |", "|---|---:|",
+        f"| rows in | {r['rows_in']:,} |",
+        f"| rows out | {r['rows_out']:,} |",
+        *(f"| dropped: {k} | {v:,} |" for k, v in r["dropped_by_reason"].items()),
+        f"| total tokens | {r['tokens']:,} |",
+        f"| loss tokens | {r['loss_tokens']:,} ({r['loss_token_share']:.1%}) |",
+        f"| rows cut at max_length | {r['truncated_to_max_length']:,} |",
+        f"| tokens per row (mean / max) | {r['tokens_per_row_mean']:,} / {r['tokens_per_row_max']:,} |",
+        f"| trained turns | {r['turns']['trained_turns']:,} |",
+        f"| loss tokens per trained turn (mean / max) | {r['turns']['loss_tokens_per_trained_turn_mean']:,} / "
+        f"{r['turns']['loss_tokens_per_trained_turn_max']:,} |",
+        f"| turns whose reasoning was re-inlined | {r['turns']['reasoning_reinlined_turns']:,} |",
+        "", "Conversations by assistant turns: "
+        + ", ".join(f"{k}: {v:,}" for k, v in r["turns"]["conversations_by_assistant_turns"].items()),
+    ]
+    if r["missing_parts"]:
+        lines += ["", f"Missing parts (first 100): {r['missing_parts']}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
+    """Build and write tokenized/report.json + .md; raise TokenizeFailed (after writing) when incomplete."""
+    report = build_report(client, dataset)
+    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    store = Store(client, layout.bucket)
+    with_retries(lambda: store.put(layout.tokenized_report_key, json.dumps(report, indent=1).encode(),
+                                   content_type="application/json"), what="write tokenized report")
+    md = report_markdown(report)
+    with_retries(lambda: store.put(layout.tokenized_report_md_key, md.encode(), content_type="text/markdown"),
+                 what="write tokenized report.md")
+    logger.info("tokenized report for %s:\n%s", layout.uri, md)
+    if report["status"] != "complete":
+        raise TokenizeFailed(
+            f"{layout.uri}: {len(parts_missing := report['missing_parts'])} part(s) not tokenized (first: "
+            f"{parts_missing[:10]}), {len(report['parts_without_stats'])} without stats; rerun the failed tokenize "
+            "tasks or trigger dflash_tokenize again with this output_uri (done parts are skipped)"
+        )
+    return report

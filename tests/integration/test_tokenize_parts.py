@@ -1,0 +1,208 @@
+"""The tokenize step against a real S3 protocol server (moto over HTTP): parts, resume, racing workers.
+
+The dataset mixes today's parts (messages + the answer) and parts with the generate step's new
+columns (`sample`, `conversation`), and includes error rows, which are always dropped.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_pipeline.config import ConfigError, TokenizeConfig
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import PART_SCHEMA, encode_part
+from dflash_pipeline.steps.tokenize import TokenizeFailed, plan, run_assignment, write_report
+
+CONV_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning", pa.string())]))
+NEW_SCHEMA = PART_SCHEMA.append(pa.field("sample", pa.int32())).append(pa.field("conversation", CONV_TYPE))
+PARTS = 5
+ROWS = 12
+
+
+def _old_rows(c: int) -> list[dict[str, Any]]:
+    rows = []
+    for i in range(ROWS):
+        pid = f"p{c}-{i}"
+        if i == 5:
+            rows.append({"id": pid, "messages": [{"role": "user", "content": "x"}], "error_class": "ContextLength",
+                         "error_message": "too long", "chunk": c})
+            continue
+        rows.append({"id": pid, "messages": [{"role": "user", "content": f"Explain item {i} of part {c}, please."}],
+                     "reasoning": f"The user wants item {i}.\nI should be brief.", "content": f"Item {i}: done.",
+                     "finish_reason": "length" if i == 7 else "stop", "chunk": c})
+    return rows
+
+
+def _new_rows(c: int) -> list[dict[str, Any]]:
+    rows = []
+    for i in range(ROWS // 2):
+        for sample in (0, 1):
+            conv = [{"role": "system", "content": "Be terse.", "reasoning": None},
+                    {"role": "user", "content": f"First question {i}?", "reasoning": None},
+                    {"role": "assistant", "content": f"First answer {i}/{sample}.", "reasoning": f"think {i} a"},
+                    {"role": "user", "content": "And then?", "reasoning": None},
+                    {"role": "assistant", "content": f"Second answer {i}/{sample}.", "reasoning": f"think {i} b"}]
+            rows.append({"id": f"p{c}-{i}", "sample": sample, "messages": conv[:2], "reasoning": conv[-1]["reasoning"],
+                         "content": conv[-1]["content"], "finish_reason": "stop", "conversation": conv, "chunk": c})
+    return rows
+
+
+def _write_dataset(client: Any, bucket: str, root: str, tokenizer: str) -> DatasetLayout:
+    layout = DatasetLayout(bucket, root)
+    manifest = {"format": "dflash-pipeline/manifest/1", "plan_id": "p1",
+                "pinned": {"sampling": {"enable_thinking": True}}, "chunks": {"sizes": [ROWS] * PARTS}}
+    client.put_object(Bucket=bucket, Key=layout.manifest_key, Body=json.dumps(manifest).encode())
+    report = {"status": "passed", "completions": 1, "token_recount": {"tokenizer": tokenizer}}
+    client.put_object(Bucket=bucket, Key=layout.report_key, Body=json.dumps(report).encode())
+    for c in range(PARTS):
+        if c % 2 == 0:
+            body = encode_part(_old_rows(c))
+        else:
+            table = pa.Table.from_pylist([{k: r.get(k) for k in NEW_SCHEMA.names} for r in _new_rows(c)],
+                                         schema=NEW_SCHEMA)
+            buf = io.BytesIO()
+            pq.write_table(table, buf)
+            body = buf.getvalue()
+        client.put_object(Bucket=bucket, Key=layout.part_key(c), Body=body)
+    return layout
+
+
+def _objects(client: Any, bucket: str, prefix: str) -> dict[str, tuple[str, Any]]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", []):
+            out[o["Key"]] = (o["ETag"], o["LastModified"])
+    return out
+
+
+def _outputs(client: Any, bucket: str, layout: DatasetLayout) -> dict[str, tuple[str, Any]]:
+    return {**_objects(client, bucket, layout.tokenized_prefix),
+            **_objects(client, bucket, layout.export_conversations_prefix)}
+
+
+def _read_tokenized(client: Any, bucket: str, layout: DatasetLayout) -> pa.Table:
+    tables = []
+    for c in range(PARTS):
+        body = client.get_object(Bucket=bucket, Key=layout.tokenized_part_key(c))["Body"].read()
+        tables.append(pq.read_table(io.BytesIO(body)))
+    return pa.concat_tables(tables)
+
+
+@pytest.fixture
+def dataset(s3_client: Any, bucket: str, qwen_tokenizer: Path) -> DatasetLayout:
+    return _write_dataset(s3_client, bucket, "ds/tok", str(qwen_tokenizer))
+
+
+def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLayout, qwen_tokenizer: Path) -> None:
+    from tokenizers import Tokenizer
+
+    cfg = TokenizeConfig(workers=3)
+    planned = plan(s3_client, [dataset.uri], cfg)
+    assert [sorted(j["parts"]) for a in planned["assignments"] for j in a["jobs"]] == [[0, 3], [1, 4], [2]]
+    assert planned["datasets"][0]["settings"]["tokenizer"] == str(qwen_tokenizer)  # validation's tokenizer
+    for a in planned["assignments"]:
+        assert run_assignment(s3_client, a)["written"] == len(a["jobs"][0]["parts"])
+    report = write_report(s3_client, planned["datasets"][0])
+
+    table = _read_tokenized(s3_client, bucket, dataset)
+    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+    assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
+    old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
+    assert table.num_rows == old_rows + new_rows == report["rows_out"]
+    assert report["rows_in"] == PARTS * ROWS and report["dropped_by_reason"] == {"error_row": 3}
+    assert report["tokens"] == sum(table.column("num_tokens").to_pylist())
+    assert report["loss_tokens"] == sum(table.column("num_loss_tokens").to_pylist())
+    assert report["turns"]["conversations_by_assistant_turns"] == {"1": old_rows, "2": new_rows}
+    assert report["turns"]["trained_turns"] == old_rows + 2 * new_rows and report["status"] == "complete"
+    keys = {(i, s) for i, s in zip(table.column("id").to_pylist(), table.column("sample").to_pylist())}
+    assert len(keys) == table.num_rows  # exactly once per (id, sample)
+    tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
+    for ids, mask, n, k in zip(*(table.column(c).to_pylist() for c in ("input_ids", "loss_mask", "num_tokens", "num_loss_tokens"))):
+        assert len(ids) == len(mask) == n and sum(mask) == k
+        trained = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert trained.startswith("<think>\n") and trained.endswith("<|im_end|>") and "<|im_start|>" not in trained
+
+    body = s3_client.get_object(Bucket=bucket, Key=dataset.export_conversations_key(1))["Body"].read().decode()
+    recs = [json.loads(line) for line in body.splitlines()]
+    assert [r["id"] for r in recs[:2]] == ["p1-0", "p1-0#sample=1"]
+    assert recs[0]["conversations"][2] == {"role": "assistant", "content": "First answer 0/0.", "reasoning_content": "think 0 a"}
+    md = s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_md_key)["Body"].read().decode()
+    assert f"| total tokens | {report['tokens']:,} |" in md
+
+
+def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
+    cfg = TokenizeConfig(workers=2)
+    first = plan(s3_client, [dataset.uri], cfg)
+    for a in first["assignments"]:
+        run_assignment(s3_client, a)
+    before = _outputs(s3_client, bucket, dataset)
+    again = plan(s3_client, [dataset.uri], cfg)
+    assert all(a["jobs"] == [] for a in again["assignments"]) and again["datasets"][0]["already_done"] == PARTS
+    # even told to do every part again, a worker finds them on S3 and writes nothing
+    forced = {"worker": 0, "jobs": [dict(first["assignments"][0]["jobs"][0], parts=list(range(PARTS)))]}
+    summary = run_assignment(s3_client, forced)
+    assert (summary["written"], summary["present"], summary["lost_race"]) == (0, PARTS, 0)
+    assert _outputs(s3_client, bucket, dataset) == before
+    with pytest.raises(ConfigError, match="other settings.*max_length"):
+        plan(s3_client, [dataset.uri], TokenizeConfig(workers=2, max_length=4096))
+
+
+def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
+    planned = plan(s3_client, [dataset.uri], TokenizeConfig(workers=1))
+    (assignment,) = planned["assignments"]
+    results: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def work() -> None:
+        try:
+            barrier.wait()
+            results.append(run_assignment(s3_client, assignment))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sum(r["written"] for r in results) == PARTS, results
+    assert sum(r["written"] + r["present"] + r["lost_race"] for r in results) == 2 * PARTS
+    parts = [k for k in _objects(s3_client, bucket, dataset.tokenized_prefix) if k.endswith(".parquet")]
+    assert len(parts) == PARTS
+    report = write_report(s3_client, planned["datasets"][0])
+    table = _read_tokenized(s3_client, bucket, dataset)
+    assert report["rows_out"] == table.num_rows == 3 * (ROWS - 1) + 2 * ROWS
+
+
+def test_a_missing_part_fails_the_report(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
+    planned = plan(s3_client, [dataset.uri], TokenizeConfig(workers=2))
+    run_assignment(s3_client, planned["assignments"][0])  # worker 1 never ran
+    with pytest.raises(TokenizeFailed, match="not tokenized"):
+        write_report(s3_client, planned["datasets"][0])
+    report = json.loads(s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_key)["Body"].read())
+    assert report["status"] == "incomplete" and report["missing_parts"] == [1, 3]
+
+
+def test_tokenizer_from_s3_gives_the_same_shards(s3_client: Any, bucket: str, dataset: DatasetLayout,
+                                                 qwen_tokenizer: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        s3_client.put_object(Bucket=bucket, Key=f"models/qwen/{name}", Body=(qwen_tokenizer / name).read_bytes())
+    other = _write_dataset(s3_client, bucket, "ds/tok-s3", str(qwen_tokenizer))
+    for layout, spec in ((dataset, None), (other, f"s3://{bucket}/models/qwen")):
+        planned = plan(s3_client, [layout.uri], TokenizeConfig(workers=1, tokenizer=spec))
+        run_assignment(s3_client, planned["assignments"][0])
+        write_report(s3_client, planned["datasets"][0])
+    local, remote = (_read_tokenized(s3_client, bucket, lay) for lay in (dataset, other))
+    assert local.equals(remote)
+    settings = json.loads(s3_client.get_object(Bucket=bucket, Key=other.tokenized_settings_key)["Body"].read())
+    assert settings["tokenizer"] == f"s3://{bucket}/models/qwen"

@@ -1,0 +1,36 @@
+"""dflash_tokenize's params and keys: bounds refused with the figure, keys a function of root and index."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS, ConfigError, TokenizeConfig
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.steps.tokenize import TokenizeSettings
+
+
+def test_defaults_and_bounds() -> None:
+    cfg = TokenizeConfig.from_params({})
+    assert (cfg.max_length, cfg.train_turns, cfg.loss_on_reasoning, cfg.drop_truncated, cfg.workers) == (8192, "all", True, False, 4)
+    for conf, msg in [({"max_length": 8}, "minimum of 16"), ({"workers": 0}, "minimum of 1"),
+                      ({"train_turns": "first"}, "not one of"), ({"output_uri": "s3://bkt/../x"}, "not allowed"),
+                      ({"tokenizer": "s3://B_/x"}, "not a valid S3 bucket"), ({"max_len": 5}, "unknown conf key"),
+                      ({"loss_on_reasoning": "yes"}, "not of type boolean")]:
+        with pytest.raises(ConfigError, match=msg):
+            TokenizeConfig.from_params(conf)
+    for name, schema in TOKENIZE_PARAM_SCHEMAS.items():
+        assert schema["description"] and schema["type"] and "default" in schema, name
+    with pytest.raises(ConfigError, match="train_turns"):
+        TokenizeSettings(tokenizer="t", train_turns="some")
+
+
+def test_output_keys() -> None:
+    lay = DatasetLayout("b", "ds/x")
+    assert lay.tokenized_part_key(7) == "ds/x/tokenized/part-000007.parquet"
+    assert lay.tokenized_stats_key(7) == "ds/x/tokenized/stats/part-000007.json"
+    assert lay.export_conversations_key(7) == "ds/x/export/conversations/part-000007.jsonl"
+    assert chunk_of_key(lay.tokenized_part_key(7), lay.tokenized_prefix) == 7
+    # stats and settings under tokenized/ are not parts
+    assert chunk_of_key(lay.tokenized_stats_key(7), lay.tokenized_prefix) is None
+    assert chunk_of_key(lay.tokenized_settings_key, lay.tokenized_prefix) is None
+    assert chunk_of_key(lay.export_conversations_key(3), lay.export_conversations_prefix) == 3
