@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.config import ConfigError
+from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, THINK_OPEN, Recounter, first_token_at, text_variants
 
 logger = logging.getLogger(__name__)
