@@ -21,8 +21,7 @@ from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import PART_SCHEMA, encode_part
 from dflash_pipeline.steps.tokenize import TokenizeFailed, plan, run_assignment, write_report
 
-CONV_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning", pa.string())]))
-NEW_SCHEMA = PART_SCHEMA.append(pa.field("sample", pa.int32())).append(pa.field("conversation", CONV_TYPE))
+NEW_SCHEMA = PART_SCHEMA  # sample and conversation included (issue 14 generate half)
 PARTS = 5
 ROWS = 12
 
