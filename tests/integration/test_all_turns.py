@@ -261,3 +261,50 @@ def test_the_audit_sees_original_answers_in_last_turn_mode(s3_client: Any, bucke
     assert audit["foreign_history_turns"] == 10 * 1 + 10 * 2 and audit["own_history_turns"] == 0
     report = run_validation(s3_client, cfg.output_uri, plots=False)
     assert report["turns_generated"] == 20 and report["multi_turn_rows"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_regenerated_conversations_tokenize_with_masks_on_every_regenerated_turn(
+    s3_client: Any, bucket: str, sim_fleet: Any, qwen_tokenizer: Path
+) -> None:
+    """The two halves of issue 14 together: parts the generate step wrote in all_turns mode, fed to
+    the tokenize step with Qwen's real BPE. Every regenerated answer is under the loss mask (once),
+    no user or system text is, and decode(input_ids) is the whole conversation."""
+    import io
+
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    from dflash_pipeline.config import TokenizeConfig
+    from dflash_pipeline.steps.tokenize import plan, run_assignment, write_report
+
+    fleet = sim_fleet(2, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=30, save_every=10, samples=2)
+    assert all(isinstance(r, dict) for r in run.run_all([run.worker(i) for i in range(2)]))
+    _, rows = run.check()
+    planned = plan(s3_client, [run.cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), workers=2))
+    for a in planned["assignments"]:
+        run_assignment(s3_client, a)
+    report = write_report(s3_client, planned["datasets"][0])
+    assert report["rows_in"] == report["rows_out"] == 60
+
+    by_key = {(r["id"], r["sample"]): r for r in rows}
+    tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
+    seen = 0
+    for c in range(len(run.manifest["chunks"]["sizes"])):
+        table = pq.read_table(io.BytesIO(run.store.get(run.layout.tokenized_part_key(c))[0]))
+        for row in table.to_pylist():
+            src = by_key[(row["id"], row["sample"])]
+            text = tok.decode(row["input_ids"], skip_special_tokens=False)
+            trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m], skip_special_tokens=False)
+            answers = [m for m in src["conversation"] if m["role"] == "assistant"]
+            assert trained.count("<|im_end|>") == len(answers) == len(src["turns"])
+            for m in answers:
+                assert m["content"] in trained and text.count(m["content"]) >= 1
+                assert not m["reasoning"] or m["reasoning"] in trained
+            for m in src["conversation"]:
+                if m["role"] != "assistant":
+                    assert m["content"] in text and m["content"] not in trained
+            assert "ORIGINAL" not in text, "an original answer reached the trainer"
+            seen += 1
+    assert seen == 60
