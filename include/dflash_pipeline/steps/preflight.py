@@ -76,9 +76,12 @@ def run_preflight(
             down.append((spec, exc.message))
             continue
         logger.info(
-            "server %s: model %s, max_running_requests=%s, context_length=%s, version %s",
-            spec.name, info.served_model_name, info.max_running_requests, info.context_length, info.version,
+            "server %s: engine %s %s, model %s, max_running_requests=%s, context_length=%s",
+            spec.name, info.engine, info.version, info.served_model_name, info.max_running_requests,
+            info.context_length,
         )
+        if info.capacity_warning and not cfg.concurrency_per_server:
+            logger.warning("server %s: %s", spec.name, info.capacity_warning)
         infos.append(info)
     if not infos:
         raise NoServerAvailable("no server answered /health: " + "; ".join(f"{s.name}: {m}" for s, m in down))
@@ -126,6 +129,7 @@ def run_preflight(
                 "concurrency": concurrency,
                 "max_running_requests": mrr,
                 "healthy": info is not None,
+                "engine": info.engine if info else None,
             }
         )
     return out

@@ -102,6 +102,8 @@ class WorkerSettings:
     concurrency: int
     request_timeout_s: float = 300.0
     max_attempts: int = 5
+    # The server's engine (serving/engines.py) as preflight detected it: the request body's dialect.
+    engine: str = "sglang"
     server_lost_after_s: float = 120.0
     # A server failing everything this long hands its open chunks to the fleet (and keeps probing).
     handoff_after_s: float = 5.0
@@ -168,6 +170,7 @@ def settings_for(
         concurrency=int(server_info["concurrency"]),
         request_timeout_s=cfg.request_timeout_s,
         max_attempts=cfg.max_attempts,
+        engine=server_info.get("engine") or "sglang",
         server_lost_after_s=cfg.server_lost_after_s,
         handoff_after_s=min(float(getattr(cfg, "server_handoff_after_s", 5.0)), cfg.server_lost_after_s),
         lease_s=cfg.claim_lease_s,
@@ -383,7 +386,7 @@ class Worker:
         s = self.settings
         out = _Outcome(chunk, prompt)
         try:
-            body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"])
+            body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"], s.engine)
             for attempt in range(1, s.max_attempts + 1):
                 out.attempts = attempt
                 if chunk.dropped or self._stop_requested.is_set():
