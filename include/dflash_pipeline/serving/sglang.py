@@ -262,14 +262,21 @@ class ChatClient:
         return conn
 
     def post(self, url: str, body: bytes, headers: dict[str, str], connect_timeout: float,
-             read_timeout: float) -> tuple[int, bytes]:
-        """POST `body`; (status, response body). Transport errors propagate; the connection is dropped."""
+             read_timeout: float, keep_waiting: Any = None) -> tuple[int, bytes]:
+        """POST `body`; (status, response body). Transport errors propagate; the connection is dropped.
+
+        With `keep_waiting` (a callable of the seconds waited, with a `slice_s` attribute; see
+        serving/deadline.py), the wait for the first byte of the answer is not bounded by
+        `read_timeout` but by the callback, asked every `slice_s`: False raises TimeoutError.
+        The response is only read, with `read_timeout`, once the socket has data."""
         target, path = self._split(url)
         try:
             conn = self._connection(target, connect_timeout)
             assert conn.sock is not None
             conn.sock.settimeout(read_timeout)
             conn.request("POST", path, body=body, headers=headers)
+            if keep_waiting is not None:
+                _wait_readable(conn.sock, keep_waiting)
             resp = conn.getresponse()
             data = resp.read()
             if resp.will_close:
@@ -287,6 +294,17 @@ class ChatClient:
                 self._conn = None
 
 
+def _wait_readable(sock: socket.socket, keep_waiting: Any) -> None:
+    """Block until `sock` has data, asking `keep_waiting(elapsed)` every `keep_waiting.slice_s`."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    t0 = time.monotonic()
+    slice_ms = max(1, int(keep_waiting.slice_s * 1000))
+    while not poller.poll(slice_ms):
+        if not keep_waiting(time.monotonic() - t0):
+            raise TimeoutError(getattr(keep_waiting, "why", "") or "deadline passed")
+
+
 def _dropped(sock: socket.socket) -> bool:
     """An idle keep-alive socket that reads as ready has been closed (or sent junk): do not reuse it."""
     try:
@@ -302,19 +320,26 @@ def new_chat_client() -> ChatClient:
     return ChatClient()
 
 
-def chat_once(client: ChatClient, server: ServerSpec, body: dict[str, Any], timeout_s: float) -> tuple[Completion, float]:
-    """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure."""
+def chat_once(client: ChatClient, server: ServerSpec, body: dict[str, Any], timeout_s: float,
+              keep_waiting: Any = None, headers: dict[str, str] | None = None) -> tuple[Completion, float]:
+    """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure.
+
+    Without `keep_waiting` the whole request is bounded by `timeout_s`; with it (a
+    serving.deadline.RequestWait) the wait for the answer follows the request's deadline."""
     t0 = time.monotonic()
     try:
         status, data = client.post(
             f"{server.base_url}/v1/chat/completions",
             json.dumps(body).encode(),
-            server.headers(),
+            {**server.headers(), **headers} if headers else server.headers(),
             connect_timeout=min(10.0, timeout_s),
             read_timeout=timeout_s,
+            keep_waiting=keep_waiting,
         )
     except TimeoutError as exc:  # socket.timeout is TimeoutError
-        raise RequestFailure("Timeout", f"no response within {timeout_s:g}s", kind="transient") from exc
+        waited = time.monotonic() - t0
+        why = getattr(keep_waiting, "why", "") or f"no response within {timeout_s:g}s"
+        raise RequestFailure("Timeout", f"{why} (waited {waited:.0f}s)", kind="transient") from exc
     except ConnectionError as exc:  # refused, reset, aborted, broken pipe, RemoteDisconnected
         raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
     except (http.client.HTTPException, OSError) as exc:

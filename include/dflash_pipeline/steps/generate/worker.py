@@ -58,6 +58,7 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
 from dflash_pipeline.steps.generate.chunks import (
     ChunkStore,
     CommitOutcome,
@@ -104,6 +105,9 @@ class WorkerSettings:
     max_attempts: int = 5
     # The server's engine (serving/engines.py) as preflight detected it: the request body's dialect.
     engine: str = "sglang"
+    # Before this server completed a request, the slowest decode speed (tokens/s per request) still
+    # counted as generating: a request's deadline is max_tokens at that speed (serving/deadline.py).
+    min_decode_tok_s: float = 5.0
     server_lost_after_s: float = 120.0
     # A server failing everything this long hands its open chunks to the fleet (and keeps probing).
     handoff_after_s: float = 5.0
@@ -387,12 +391,17 @@ class Worker:
         out = _Outcome(chunk, prompt)
         try:
             body = build_chat_body(prompt["messages"], s.model, s.sampling, prompt["id"], s.engine)
+            watch = server_watch(s.run_id, s.server, s.engine,
+                                 DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s))
+            timeouts = 0
             for attempt in range(1, s.max_attempts + 1):
                 out.attempts = attempt
                 if chunk.dropped or self._stop_requested.is_set():
                     return out
                 try:
-                    completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
+                    with watch.waiter(s.sampling.max_tokens) as wait:
+                        completion, latency = chat_once(session, s.server, body, s.request_timeout_s, wait)
+                    watch.record(completion.completion_tokens, latency)
                     out.done_t = time.monotonic()
                     completion = judge(completion, s.sampling)
                 except RequestFailure as exc:
@@ -400,8 +409,9 @@ class Worker:
                     out.last_failure_t = time.monotonic()
                     if out.first_failure_t is None:
                         out.first_failure_t = out.last_failure_t
-                    if not exc.transient or attempt == s.max_attempts:
-                        return out
+                    timeouts += exc.error_class == "Timeout"
+                    if not exc.transient or attempt == s.max_attempts or timeouts >= 2:
+                        return out  # a timeout is retried once, never regenerated max_attempts times
                     delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                     time.sleep(delay)
                     continue
