@@ -179,6 +179,8 @@ class Completion:
     completion_tokens: int | None
     reasoning_tokens: int | None
     model: str | None
+    # Where the thinking came from: "field" (reasoning_content/reasoning), "inline" (<think> in content).
+    reasoning_source: str | None = None
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -196,7 +198,8 @@ def parse_chat_response(data: Any) -> Completion:
         usage = data.get("usage") or {}
     except (KeyError, IndexError, TypeError) as exc:
         raise RequestFailure("BadResponse", f"unexpected response shape: {exc!r}", kind="transient") from exc
-    reasoning, answer = split_reasoning(message.get("content"), reasoning_of(message))
+    separated = reasoning_of(message)
+    reasoning, answer = split_reasoning(message.get("content"), separated)
     details = usage.get("completion_tokens_details") or {}
     reasoning_tokens = usage.get("reasoning_tokens", details.get("reasoning_tokens"))
     matched = choice.get("matched_stop")
@@ -209,6 +212,7 @@ def parse_chat_response(data: Any) -> Completion:
         completion_tokens=usage.get("completion_tokens"),
         reasoning_tokens=reasoning_tokens,
         model=data.get("model"),
+        reasoning_source=None if reasoning is None else ("field" if separated else "inline"),
     )
 
 
