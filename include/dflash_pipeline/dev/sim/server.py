@@ -793,7 +793,8 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             partial = lengths.render_completion(plan, max_tokens=max(1, completion.completion_tokens // 2),
                                                 separate_reasoning=parser_on)
             completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
-        job = _Job("chat", completion.completion_tokens, prompt_tokens, time.monotonic())
+        # A proof job takes a slot but stays out of the throughput stats (completed, busy, first admit).
+        job = _Job("proof" if proof else "chat", completion.completion_tokens, prompt_tokens, time.monotonic())
         if not sim._sched.submit(job, self.server.dead):
             self._error(503, QUEUE_FULL_MSG, "ServiceUnavailableError")
             return
