@@ -22,8 +22,9 @@ its budget. Streaming with an idle timeout would tell them apart, but parsing on
 token costs far more client CPU than the whole non-streaming request. The caller (the generate
 worker) retries a timed-out request at most once; a second timeout is an error row.
 
-The waiting itself costs one poll() per `check_every_s` on the request's socket: the response is
-read with http.client only once bytes have arrived (see ChatClient.post).
+The waiting costs nothing for an answer that comes within `request_timeout_s / 2` (a plain
+blocking read, as without deadlines); after that, one poll() per `check_every_s` on the request's
+socket, and the response is read once bytes have arrived (see ChatClient.post).
 """
 
 from __future__ import annotations
@@ -148,6 +149,11 @@ class RequestWait:
     @property
     def slice_s(self) -> float:
         return self.watch.check_every_s
+
+    @property
+    def quiet_s(self) -> float:
+        """Wait this long plainly (no checks: nothing is decided before request_timeout_s / 2)."""
+        return self.watch.policy.request_timeout_s / 2
 
     def __enter__(self) -> RequestWait:
         self.ticket = self.watch.begin()

@@ -269,19 +269,31 @@ class ChatClient:
              read_timeout: float, keep_waiting: Any = None) -> tuple[int, bytes]:
         """POST `body`; (status, response body). Transport errors propagate; the connection is dropped.
 
-        With `keep_waiting` (a callable of the seconds waited, with a `slice_s` attribute; see
-        serving/deadline.py), the wait for the first byte of the answer is not bounded by
-        `read_timeout` but by the callback, asked every `slice_s`: False raises TimeoutError.
-        The response is only read, with `read_timeout`, once the socket has data."""
+        With `keep_waiting` (a callable of the seconds waited, with `slice_s` and `quiet_s`
+        attributes; see serving/deadline.py), the wait for the answer is not bounded by
+        `read_timeout` but by the callback. The common case costs nothing extra: the answer is
+        awaited plainly for `quiet_s`; only if no byte came by then (so http.client consumed
+        nothing and the connection is intact) is the callback asked every `slice_s` while poll()
+        waits for the first byte (False raises TimeoutError)."""
         target, path = self._split(url)
         try:
             conn = self._connection(target, connect_timeout)
             assert conn.sock is not None
-            conn.sock.settimeout(read_timeout)
-            conn.request("POST", path, body=body, headers=headers)
-            if keep_waiting is not None:
-                _wait_readable(conn.sock, keep_waiting)
-            resp = conn.getresponse()
+            if keep_waiting is None:
+                conn.sock.settimeout(read_timeout)
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+            else:
+                quiet = keep_waiting.quiet_s
+                conn.sock.settimeout(quiet)
+                conn.request("POST", path, body=body, headers=headers)
+                try:
+                    resp = conn.getresponse()
+                except TimeoutError:
+                    _wait_readable(conn.sock, keep_waiting, quiet)
+                    conn.sock.settimeout(read_timeout)
+                    resp = conn.getresponse()
+                conn.sock.settimeout(read_timeout)
             data = resp.read()
             if resp.will_close:
                 self.close()
@@ -298,11 +310,12 @@ class ChatClient:
                 self._conn = None
 
 
-def _wait_readable(sock: socket.socket, keep_waiting: Any) -> None:
-    """Block until `sock` has data, asking `keep_waiting(elapsed)` every `keep_waiting.slice_s`."""
+def _wait_readable(sock: socket.socket, keep_waiting: Any, waited: float = 0.0) -> None:
+    """Block until `sock` has data, asking `keep_waiting(elapsed)` every `keep_waiting.slice_s`
+    (`waited`: seconds already waited for this answer)."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-    t0 = time.monotonic()
+    t0 = time.monotonic() - waited
     slice_ms = max(1, int(keep_waiting.slice_s * 1000))
     while not poller.poll(slice_ms):
         if not keep_waiting(time.monotonic() - t0):
