@@ -112,3 +112,24 @@ def test_slow_server_32k_max_tokens_no_false_timeouts(s3_client, bucket) -> None
     long_ones = [r for r in rows if r["latency_s"] > cfg.request_timeout_s]
     assert len(long_ones) >= n // 2, "the test must have generations longer than request_timeout_s"
     assert max(r["completion_tokens"] for r in rows) == 32768
+
+
+def test_a_timeout_is_retried_once_then_an_error_row(s3_client, bucket) -> None:
+    """Every request hangs on an otherwise idle server: each is cut after request_timeout_s, sent
+    once more, then stored as a Timeout error row with attempts=2 (not max_attempts=5)."""
+    with SimFleet([SimConfig(engine="vllm", hang_rate=1.0, hang_s=60.0, **FAST)]).start() as fleet:
+        s3_client.put_object(Bucket=bucket, Key="hang/p.jsonl", Body=_prompts(4))
+        cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/hang/p.jsonl", "output_uri": f"s3://{bucket}/hang/ds",
+                                     "servers": fleet.urls, "save_every": 4, "request_timeout_s": 1,
+                                     "max_attempts": 5})
+        outcomes = run_generation(s3_client, cfg, fleet.urls, "hang-run1", settings_overrides={"backoff_base_s": 0.05})
+        stats = fleet.stats()
+    rows = _rows(s3_client, cfg)
+    assert len(rows) == 4, outcomes
+    assert {r["error_class"] for r in rows} == {"Timeout"} and {r["attempts"] for r in rows} == {2}
+    # Each _do_request sends a timed-out prompt twice, not max_attempts=5 times; the worker may
+    # put a prompt back (MAX_REQUEUES) while its server completes nothing at all.
+    from dflash_pipeline.steps.generate.worker import MAX_REQUEUES
+
+    assert 8 <= stats[0]["generation_requests"] <= 2 * (1 + MAX_REQUEUES) * 4
+    assert stats[0]["generation_requests"] % 2 == 0
