@@ -99,7 +99,10 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 300,
         "exclusiveMinimum": 0,
         "maximum": 86400,
-        "description": "Seconds one generation request may take before it is retried.",
+        "description": "Floor of a generation request's deadline, and how soon a request the server "
+        "is not generating (server stuck, gone, or holding none of ours) is cut. A request the server "
+        "is generating may take max_tokens at its slowest measured decode speed (docs/engines.md). "
+        "A timed-out request is retried once.",
         "section": SECTION_SERVERS,
     },
     "max_tokens": {

@@ -1,4 +1,5 @@
-"""Talking to one SGLang server: probing it, building chat requests, classifying what comes back.
+"""Talking to one OpenAI-compatible server (SGLang, vLLM or generic): probing it, building chat
+requests, classifying what comes back. What differs between engines is in `serving/engines.py`.
 
 Outcomes are sorted into the classes the retry policy acts on:
 - transient (connection refused/reset, timeouts, 408/429/5xx, 503 queue full, a garbled body):
@@ -24,6 +25,18 @@ from urllib.parse import urlsplit
 import requests
 
 from dflash_pipeline.config import Sampling
+from dflash_pipeline.serving.engines import (
+    DEFAULT_CAPACITY,
+    Engine,
+    adapter,
+    error_code,
+    error_message,
+    is_error_body,
+    reasoning_of,
+    sglang_load,
+    vllm_kv_tokens,
+    vllm_load,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +71,9 @@ class ServerInfo:
     max_total_num_tokens: int | None
     context_length: int | None
     version: str | None
+    engine: str = Engine.SGLANG.value
+    # Set when the capacity is our default, not the server's figure (vLLM, generic servers).
+    capacity_warning: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -85,12 +101,11 @@ _CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too lo
 
 
 def classify_http_error(status: int, body: str) -> RequestFailure:
-    """Turn an HTTP error status and SGLang's error JSON into a RequestFailure."""
+    """Turn an HTTP error status and the engine's error JSON (SGLang's flat or vLLM's nested
+    `{"error": {...}}` body) into a RequestFailure."""
     message = body
     try:
-        parsed = json.loads(body)
-        if isinstance(parsed, dict):
-            message = str(parsed.get("message") or parsed.get("detail") or parsed.get("error") or body)
+        message = error_message(json.loads(body)) or body
     except ValueError:
         pass
     message = message.strip() or f"HTTP {status}"
@@ -116,8 +131,11 @@ def request_seed(seed: int | None, prompt_id: str, sample: int = 0) -> int | Non
 
 
 def build_chat_body(
-    messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str, sample: int = 0
+    messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str,
+    engine: Engine | str | None = Engine.SGLANG, *, sample: int = 0,
 ) -> dict[str, Any]:
+    """The chat body for `engine`: `chat_template_kwargs` top-level for all (SGLang and vLLM both
+    read it there), `separate_reasoning` only for SGLang; the seed is the sample's."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -126,8 +144,8 @@ def build_chat_body(
         "top_p": sampling.top_p,
         "stream": False,
         "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
-        "separate_reasoning": True,
     }
+    adapter(engine).chat_body(body)
     seed = request_seed(sampling.seed, prompt_id, sample)
     if seed is not None:
         body["seed"] = seed
@@ -166,26 +184,27 @@ class Completion:
     # usage.prompt_tokens_details.cached_tokens: SGLang with --enable-cache-report, vLLM with
     # --enable-prompt-tokens-details (which leaves it out when 0); None when not reported.
     cached_tokens: int | None = None
+    # Where the thinking came from: "field" (reasoning_content/reasoning), "inline" (<think> in content).
+    reasoning_source: str | None = None
 
 
 def parse_chat_response(data: Any) -> Completion:
-    """Parse SGLang's /v1/chat/completions body; a malformed one raises a transient failure.
+    """Parse a /v1/chat/completions body (SGLang, vLLM, generic); a malformed one raises a
+    transient failure. The thinking is `reasoning_content` or `reasoning` (vLLM >= 0.17); vLLM's
+    `content` is null when the answer is empty.
 
     An error object sent with HTTP 200 (`{"object": "error", "code": 400, ...}`, which SGLang's
     OpenAI layer can return) is classified by its own code, not retried as a bad shape."""
-    if isinstance(data, dict) and data.get("object") == "error":
-        try:
-            code = int(data.get("code") or 500)
-        except (TypeError, ValueError):
-            code = 500
-        raise classify_http_error(code, json.dumps(data))
+    if is_error_body(data):
+        raise classify_http_error(error_code(data) or 500, json.dumps(data))
     try:
         choice = data["choices"][0]
         message = choice["message"] or {}
         usage = data.get("usage") or {}
     except (KeyError, IndexError, TypeError) as exc:
         raise RequestFailure("BadResponse", f"unexpected response shape: {exc!r}", kind="transient") from exc
-    reasoning, answer = split_reasoning(message.get("content"), message.get("reasoning_content"))
+    separated = reasoning_of(message)
+    reasoning, answer = split_reasoning(message.get("content"), separated)
     details = usage.get("completion_tokens_details") or {}
     reasoning_tokens = usage.get("reasoning_tokens", details.get("reasoning_tokens"))
     matched = choice.get("matched_stop")
@@ -201,6 +220,7 @@ def parse_chat_response(data: Any) -> Completion:
         reasoning_tokens=reasoning_tokens,
         model=data.get("model"),
         cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
+        reasoning_source=None if reasoning is None else ("field" if separated else "inline"),
     )
 
 
@@ -254,15 +274,34 @@ class ChatClient:
         return conn
 
     def post(self, url: str, body: bytes, headers: dict[str, str], connect_timeout: float,
-             read_timeout: float) -> tuple[int, bytes]:
-        """POST `body`; (status, response body). Transport errors propagate; the connection is dropped."""
+             read_timeout: float, keep_waiting: Any = None) -> tuple[int, bytes]:
+        """POST `body`; (status, response body). Transport errors propagate; the connection is dropped.
+
+        With `keep_waiting` (a callable of the seconds waited, with `slice_s` and `quiet_s`
+        attributes; see serving/deadline.py), the wait for the answer is not bounded by
+        `read_timeout` but by the callback. The common case costs nothing extra: the answer is
+        awaited plainly for `quiet_s`; only if no byte came by then (so http.client consumed
+        nothing and the connection is intact) is the callback asked every `slice_s` while poll()
+        waits for the first byte (False raises TimeoutError)."""
         target, path = self._split(url)
         try:
             conn = self._connection(target, connect_timeout)
             assert conn.sock is not None
-            conn.sock.settimeout(read_timeout)
-            conn.request("POST", path, body=body, headers=headers)
-            resp = conn.getresponse()
+            if keep_waiting is None:
+                conn.sock.settimeout(read_timeout)
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+            else:
+                quiet = keep_waiting.quiet_s
+                conn.sock.settimeout(quiet)
+                conn.request("POST", path, body=body, headers=headers)
+                try:
+                    resp = conn.getresponse()
+                except TimeoutError:
+                    _wait_readable(conn.sock, keep_waiting, quiet)
+                    conn.sock.settimeout(read_timeout)
+                    resp = conn.getresponse()
+                conn.sock.settimeout(read_timeout)
             data = resp.read()
             if resp.will_close:
                 self.close()
@@ -277,6 +316,18 @@ class ChatClient:
                 self._conn.close()
             finally:
                 self._conn = None
+
+
+def _wait_readable(sock: socket.socket, keep_waiting: Any, waited: float = 0.0) -> None:
+    """Block until `sock` has data, asking `keep_waiting(elapsed)` every `keep_waiting.slice_s`
+    (`waited`: seconds already waited for this answer)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    t0 = time.monotonic() - waited
+    slice_ms = max(1, int(keep_waiting.slice_s * 1000))
+    while not poller.poll(slice_ms):
+        if not keep_waiting(time.monotonic() - t0):
+            raise TimeoutError(getattr(keep_waiting, "why", "") or "deadline passed")
 
 
 def _dropped(sock: socket.socket) -> bool:
@@ -294,19 +345,26 @@ def new_chat_client() -> ChatClient:
     return ChatClient()
 
 
-def chat_once(client: ChatClient, server: ServerSpec, body: dict[str, Any], timeout_s: float) -> tuple[Completion, float]:
-    """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure."""
+def chat_once(client: ChatClient, server: ServerSpec, body: dict[str, Any], timeout_s: float,
+              keep_waiting: Any = None, headers: dict[str, str] | None = None) -> tuple[Completion, float]:
+    """One POST to /v1/chat/completions; returns (completion, latency) or raises RequestFailure.
+
+    Without `keep_waiting` the whole request is bounded by `timeout_s`; with it (a
+    serving.deadline.RequestWait) the wait for the answer follows the request's deadline."""
     t0 = time.monotonic()
     try:
         status, data = client.post(
             f"{server.base_url}/v1/chat/completions",
             json.dumps(body).encode(),
-            server.headers(),
+            {**server.headers(), **headers} if headers else server.headers(),
             connect_timeout=min(10.0, timeout_s),
             read_timeout=timeout_s,
+            keep_waiting=keep_waiting,
         )
     except TimeoutError as exc:  # socket.timeout is TimeoutError
-        raise RequestFailure("Timeout", f"no response within {timeout_s:g}s", kind="transient") from exc
+        waited = time.monotonic() - t0
+        why = getattr(keep_waiting, "why", "") or f"no response within {timeout_s:g}s"
+        raise RequestFailure("Timeout", f"{why} (waited {waited:.0f}s)", kind="transient") from exc
     except ConnectionError as exc:  # refused, reset, aborted, broken pipe, RemoteDisconnected
         raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
     except (http.client.HTTPException, OSError) as exc:
@@ -349,8 +407,21 @@ def check_health(session: requests.Session, server: ServerSpec, timeout_s: float
         return False
 
 
+def _get_text(session: requests.Session, server: ServerSpec, path: str, timeout_s: float) -> str | None:
+    """GET `path` as text; None when the server does not serve it (or it fails)."""
+    try:
+        resp = session.get(f"{server.base_url}{path}", headers=server.headers(), timeout=timeout_s)
+    except requests.RequestException:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
 def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float = 10.0) -> ServerInfo:
-    """Health, server info and served models of one server. Raises RequestFailure."""
+    """Health, engine, server info and served models of one server. Raises RequestFailure.
+
+    The engine is detected from what the server serves (see serving/engines.py): SGLang answers
+    /get_server_info or /server_info; vLLM does not, but answers /version and lists models with
+    `max_model_len`; anything else answering /v1/models is a generic OpenAI-compatible server."""
     try:
         health = session.get(f"{server.base_url}/health", timeout=timeout_s)
     except requests.RequestException as exc:
@@ -362,38 +433,94 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
     info: dict[str, Any] = {}
     for path in ("/get_server_info", "/server_info"):
         try:
-            info = _get_json(session, server, path, timeout_s)
-            break
+            got = _get_json(session, server, path, timeout_s)
+            if isinstance(got, dict):
+                info = got
+                break
         except RequestFailure as exc:
             if exc.error_class != "NotFound":
                 raise
         except (requests.RequestException, ValueError) as exc:
             raise RequestFailure("ConnectionError", _short(exc), kind="transient") from exc
     served: str | None = info.get("served_model_name")
+    cards: list[dict[str, Any]] = []
     try:
         models = _get_json(session, server, "/v1/models", timeout_s)
-        ids = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
-        served = served or (ids[0] if ids else None)
+        cards = [m for m in models.get("data", []) if isinstance(m, dict)]
+        served = served or (cards[0].get("id") if cards else None)
     except RequestFailure as exc:
         if exc.kind == "config" and exc.error_class == "Unauthorized":
             raise
-    except (requests.RequestException, ValueError):
+    except (requests.RequestException, ValueError, AttributeError):
         pass
     internal = (info.get("internal_states") or [{}])[0] if isinstance(info.get("internal_states"), list) else {}
 
     def num(v: Any) -> int | None:
         return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
+    if info:
+        return ServerInfo(
+            name=server.name,
+            base_url=server.base_url,
+            model_path=info.get("model_path"),
+            served_model_name=served,
+            max_running_requests=num(info.get("max_running_requests")) or num(internal.get("max_running_requests")),
+            max_total_num_tokens=num(info.get("max_total_num_tokens")) or num(internal.get("max_total_num_tokens")),
+            context_length=num(info.get("context_length")),
+            version=info.get("version"),
+            engine=Engine.SGLANG.value,
+        )
+    version: str | None = None
+    raw_version = _get_text(session, server, "/version", timeout_s)
+    if raw_version:
+        try:
+            parsed = json.loads(raw_version)
+            version = str(parsed.get("version")) if isinstance(parsed, dict) and parsed.get("version") else None
+        except ValueError:
+            version = None
+    card = next((c for c in cards if c.get("id") == served), cards[0] if cards else {})
+    max_model_len = num(card.get("max_model_len"))
+    is_vllm = version is not None and (max_model_len is not None or card.get("owned_by") == "vllm")
+    engine = Engine.VLLM if is_vllm else Engine.OPENAI
+    kv_tokens = None
+    if engine is Engine.VLLM:
+        metrics = _get_text(session, server, "/metrics", timeout_s)
+        kv_tokens = vllm_kv_tokens(metrics) if metrics else None
+    warning = (
+        f"{engine.value} server does not report how many requests it runs at once (vLLM's "
+        f"max_num_seqs is not exposed on its HTTP API); assuming {DEFAULT_CAPACITY} slots. Set "
+        "concurrency_per_server to match the server's --max-num-seqs."
+    )
     return ServerInfo(
         name=server.name,
         base_url=server.base_url,
-        model_path=info.get("model_path"),
+        model_path=card.get("root") or served,
         served_model_name=served,
-        max_running_requests=num(info.get("max_running_requests")) or num(internal.get("max_running_requests")),
-        max_total_num_tokens=num(info.get("max_total_num_tokens")) or num(internal.get("max_total_num_tokens")),
-        context_length=num(info.get("context_length")),
-        version=info.get("version"),
+        max_running_requests=None,
+        max_total_num_tokens=kv_tokens,
+        context_length=max_model_len,
+        version=version,
+        engine=engine.value,
+        capacity_warning=warning,
     )
+
+
+def server_load(session: requests.Session, server: ServerSpec, engine: Engine | str | None,
+                timeout_s: float = 5.0) -> int | None:
+    """How many requests the server holds now (running + waiting), or None if it cannot tell us
+    (generic server, endpoint missing, server not answering)."""
+    path = adapter(engine).load_path
+    if path is None:
+        return None
+    text = _get_text(session, server, path, timeout_s)
+    if text is None:
+        return None
+    if path == "/metrics":
+        return vllm_load(text)
+    try:
+        return sglang_load(json.loads(text))
+    except ValueError:
+        return None
 
 
 def derive_concurrency(max_running_requests: int | None) -> int:
@@ -402,7 +529,7 @@ def derive_concurrency(max_running_requests: int | None) -> int:
     A small queue at the server (a quarter of the slots, at least 2) hides the client's round trip;
     a larger one only makes requests wait, and that wait counts against the request timeout.
     """
-    mrr = max_running_requests or 16
+    mrr = max_running_requests or DEFAULT_CAPACITY
     return mrr + max(2, -(-mrr // 4))
 
 

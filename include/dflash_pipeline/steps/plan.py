@@ -329,8 +329,15 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
                 yield prompt, sample
 
     sizes: list[int] = []
+    # The longest prompt (by UTF-8 bytes of its messages): preflight sends it to every server as
+    # its proof request, so the server's own tokenizer says whether max_tokens still fits.
+    longest: dict[str, Any] = {"bytes": -1}
     try:
         for index, chunk in enumerate(chunk_stream(units(), cfg.save_every, n_servers)):
+            for p, k in chunk:
+                size = sum(len(str(m.get("content") or "").encode()) for m in p.messages)
+                if k == 0 and size > longest["bytes"]:
+                    longest = {"id": p.id, "chunk": index, "bytes": size}
             data = encode_inputs([{"id": p.id, "messages": p.messages, "sample": k, "original_messages": p.original}
                                   for p, k in chunk])
             key = layout.input_key(plan_id, index)
@@ -371,6 +378,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "duplicates_dropped": stats.duplicates_dropped,
             "rejects": stats.rejects,
             "limit": cfg.limit,
+            "longest_prompt": longest if longest["bytes"] >= 0 else None,
         },
         "chunks": {
             "save_every": cfg.save_every,

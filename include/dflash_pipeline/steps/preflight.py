@@ -1,4 +1,5 @@
-"""Preflight: every server answers, serves the pinned model, and tells us how many slots it has.
+"""Preflight: every server answers, serves the pinned model, tells us how many slots it has, and
+proves it can do the job with one chat request.
 
 Configuration problems (wrong API key, wrong model, servers that disagree) fail here, before any
 generation request is sent. A server that is merely down is reported and left to its generate task,
@@ -11,25 +12,110 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import dataclasses
+import time
+
 from dflash_pipeline.config import ConfigError, RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
-from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.dataset.records import decode_inputs
+from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerInfo,
     ServerSpec,
+    build_chat_body,
+    chat_once,
     concurrency_warning,
     derive_concurrency,
+    new_chat_client,
     new_session,
     probe_server,
 )
-from dflash_pipeline.steps.plan import update_manifest
+from dflash_pipeline.steps.plan import load_manifest, update_manifest
 
 logger = logging.getLogger(__name__)
 
 
 class NoServerAvailable(Exception):
     """No server answered: worth retrying (they may be starting)."""
+
+
+# The proof request: the run's sampling and thinking flag, a short answer budget. Its X-Request-Id
+# starts with PROOF_REQUEST_PREFIX so a server's request counts can leave it out (the simulator does).
+PROOF_MAX_TOKENS = 256
+PROOF_REQUEST_PREFIX = "preflight-proof"
+PROOF_MESSAGES = [{"role": "user", "content": "What is 2 + 3? Answer with one number."}]
+PROOF_ATTEMPTS = 3
+
+
+def proof_messages(store: Store, layout: DatasetLayout) -> tuple[list[dict[str, str]], dict[str, Any] | None]:
+    """The plan's longest prompt (so the server's own tokenizer measures it), else a tiny one."""
+    got = load_manifest(store, layout)
+    longest = (got[0].get("input") or {}).get("longest_prompt") if got else None
+    if not longest:
+        return PROOF_MESSAGES, None
+    data = with_retries(lambda: store.get(layout.input_key(got[0]["plan_id"], int(longest["chunk"]))),
+                        what="read the longest prompt")
+    for row in decode_inputs(data[0]) if data else []:
+        if row["id"] == longest["id"]:
+            return row["messages"], longest
+    return PROOF_MESSAGES, None
+
+
+def prove_server(
+    spec: ServerSpec, info: ServerInfo, cfg: RunConfig, model: str, run_id: str,
+    messages: list[dict[str, str]], longest: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One chat request with the run's settings. Raises ConfigError when the server cannot do the
+    job: its context cannot hold max_tokens plus the longest prompt, or with thinking enabled its
+    answer has neither a reasoning field nor `<think>` in the content (no reasoning parser and a
+    template that hides the tags). A transient failure raises RequestFailure (server down)."""
+    sampling = dataclasses.replace(cfg.sampling, max_tokens=PROOF_MAX_TOKENS)
+    body = build_chat_body(messages, model, sampling, "preflight-proof", info.engine)
+    headers = {"X-Request-Id": f"{PROOF_REQUEST_PREFIX}-{run_id}-{spec.name}"[:200]}
+    what = (f"the plan's longest prompt ({longest['id']}, {longest['bytes']} bytes)" if longest
+            else "a short prompt")
+    for attempt in range(1, PROOF_ATTEMPTS + 1):
+        try:
+            completion, latency = chat_once(new_chat_client(), spec, body, cfg.request_timeout_s, headers=headers)
+            break
+        except RequestFailure as exc:
+            if exc.error_class == "ContextLengthExceeded":
+                raise ConfigError(
+                    f"server {spec.name}: {what} does not fit its context "
+                    f"(context_length {info.context_length}): {exc.message}"
+                ) from exc
+            if exc.kind != "transient":
+                raise ConfigError(f"server {spec.name}: the proof request failed: {exc.message}") from exc
+            if attempt == PROOF_ATTEMPTS:
+                raise
+            time.sleep(0.5 * attempt)
+    prompt_tokens = completion.prompt_tokens
+    if info.context_length and prompt_tokens is not None:
+        need = prompt_tokens + cfg.sampling.max_tokens
+        if need > info.context_length:
+            raise ConfigError(
+                f"server {spec.name}: context_length {info.context_length} cannot hold max_tokens "
+                f"{cfg.sampling.max_tokens} plus {what}, which is {prompt_tokens} tokens on this server "
+                f"({need} > {info.context_length}): start it with a larger context length, or lower max_tokens"
+            )
+    shape = completion.reasoning_source or "none"
+    if cfg.sampling.enable_thinking and not completion.reasoning:
+        raise ConfigError(
+            f"server {spec.name} ({info.engine} {info.version or ''}): with enable_thinking the proof "
+            "answer has no reasoning field and no <think> in its content, so thinking cannot be split "
+            "from answers (finish_reason "
+            f"{completion.finish_reason}, {completion.completion_tokens} tokens). Start the server with a "
+            "reasoning parser (SGLang or vLLM --reasoning-parser), or set enable_thinking=false"
+        )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "finish_reason": completion.finish_reason,
+        "reasoning_shape": shape,
+        "longest_prompt_id": longest["id"] if longest else None,
+        "latency_s": round(latency, 3),
+    }
 
 
 def resolve_model(cfg_model: str | None, infos: list[ServerInfo], pinned: str | None) -> str:
@@ -76,9 +162,12 @@ def run_preflight(
             down.append((spec, exc.message))
             continue
         logger.info(
-            "server %s: model %s, max_running_requests=%s, context_length=%s, version %s",
-            spec.name, info.served_model_name, info.max_running_requests, info.context_length, info.version,
+            "server %s: engine %s %s, model %s, max_running_requests=%s, context_length=%s",
+            spec.name, info.engine, info.version, info.served_model_name, info.max_running_requests,
+            info.context_length,
         )
+        if info.capacity_warning and not cfg.concurrency_per_server:
+            logger.warning("server %s: %s", spec.name, info.capacity_warning)
         infos.append(info)
     if not infos:
         raise NoServerAvailable("no server answered /health: " + "; ".join(f"{s.name}: {m}" for s, m in down))
@@ -110,6 +199,37 @@ def run_preflight(
     update_manifest(store, layout, record)
     model = pinned_model_holder["model"]
 
+    # Prove each server with one request of the run's settings; a server that cannot do the job
+    # is refused here, before any generation (all refusals in one message).
+    messages, longest = proof_messages(store, layout)
+    proofs: dict[str, dict[str, Any]] = {}
+    refused: list[str] = []
+    for info in list(infos):
+        spec = next(s for s in specs if s.name == info.name)
+        try:
+            proofs[info.name] = prove_server(spec, info, cfg, model, run_id, messages, longest)
+        except ConfigError as exc:
+            refused.append(str(exc))
+        except RequestFailure as exc:
+            logger.warning("server %s: proof request failed (%s); its task will wait for it", spec.name, exc.message)
+            infos.remove(info)
+            down.append((spec, f"proof request: {exc.message}"))
+            continue
+        else:
+            logger.info("server %s: proof request ok: %s", info.name, proofs[info.name])
+    if refused:
+        raise ConfigError("; ".join(refused))
+
+    def record_proofs(manifest: dict[str, Any]) -> None:
+        for entry in manifest.get("servers", []):
+            if entry.get("name") in proofs:
+                entry["proof"] = proofs[entry["name"]]
+            elif any(s.name == entry.get("name") for s, _ in down) and "unreachable" not in entry:
+                entry["unreachable"] = next(m for s, m in down if s.name == entry["name"])
+
+    if proofs or down:
+        update_manifest(store, layout, record_proofs)
+
     out: list[dict[str, Any]] = []
     by_name = {i.name: i for i in infos}
     for spec in specs:
@@ -126,6 +246,7 @@ def run_preflight(
                 "concurrency": concurrency,
                 "max_running_requests": mrr,
                 "healthy": info is not None,
+                "engine": info.engine if info else None,
             }
         )
     return out

@@ -3,8 +3,10 @@
     python -m dflash_pipeline.dev.sim --count 4 --base-port 0 --max-running-requests 16 \\
         --token-time-s 0.001 --length-scale 0.05 --urls-file /tmp/urls.txt \\
         --set error_rate=0.01 --server-set 2:slow_factor=2.0
+    python -m dflash_pipeline.dev.sim --count 3 --engines sglang,vllm,vllm   # a mixed fleet
 
-Every SimConfig field has a flag (``--error-rate``, ``--reasoning-parser none``, ...); ``--set
+``--engine vllm|sglang`` sets every server's wire flavour (vllm_wire.py), ``--engines`` one per
+server. Every SimConfig field has a flag (``--error-rate``, ``--reasoning-parser none``, ...); ``--set
 key=value`` does the same generically and ``--server-set INDEX:key=value`` overrides one server.
 The URLs file (one URL per line) is written atomically once every server is listening, so a
 caller can wait for it to appear.
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-set", dest="server_sets", action="append",
                         type=_server_key_value, default=[], metavar="INDEX:KEY=VALUE",
                         help="set a SimConfig field on one server (0-based index)")
+    parser.add_argument("--engines", default=None, metavar="E1,E2,...",
+                        help="wire flavour per server (sglang or vllm), comma-separated, one per server")
     parser.add_argument("--log-level", default="WARNING")
     fields = parser.add_argument_group("SimConfig fields")
     for field in dataclasses.fields(SimConfig):
@@ -77,9 +81,14 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
             common[field.name] = coerce_field_value(field.name, raw)
     for key, value in args.sets:
         common[key] = coerce_field_value(key, value)
+    engines = [e.strip() for e in args.engines.split(",")] if getattr(args, "engines", None) else None
+    if engines is not None and len(engines) != args.count:
+        raise ValueError(f"--engines lists {len(engines)} servers, --count is {args.count}")
     configs = []
     for index in range(args.count):
         values = dict(common)
+        if engines is not None:
+            values["engine"] = engines[index]
         values["port"] = 0 if args.base_port == 0 else args.base_port + index
         for target, key, value in args.server_sets:
             if target == index:

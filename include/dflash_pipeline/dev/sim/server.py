@@ -47,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths
+from dflash_pipeline.dev.sim import lengths, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,9 @@ QUEUE_FULL_MSG = "The request queue is full."
 NOT_READY_MSG = "The server is not ready yet (still starting up)."
 INJECTED_ERROR_MSG = "Internal server error: simulated failure (error_rate)"
 INJECTED_UNAVAILABLE_MSG = "Service unavailable: simulated overload (unavailable_rate)"
+PROOF_REQUEST_PREFIX = "preflight-proof"
+"""Requests whose X-Request-Id starts with this are a client's preflight probes: counted in
+stats()["proof_requests"], not in generation_requests or ids (the pipeline tags its probes so)."""
 STREAM_UNSUPPORTED_MSG = "stream=true is not supported by the SGLang simulator; use stream=false."
 
 RUNTIME_IMMUTABLE_FIELDS = frozenset({"host", "port"})
@@ -145,6 +148,8 @@ class SimConfig:
     track_history: bool = False
     """Audit history turns: count those that are / are not this server's own earlier answers
     (stats()["conversation"])."""
+    engine: str = "sglang"
+    """Wire flavour: "sglang", or "vllm" (vLLM's OpenAI server, see vllm_wire.py)."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -172,6 +177,8 @@ def validate_config(config: SimConfig) -> None:
             raise ValueError(f"{name} must be within [0, 1]")
     if sum(getattr(config, name) for name in rates) > 1.0 + 1e-9:
         raise ValueError("error_rate + unavailable_rate + hang_rate + reset_rate + abort_rate must be <= 1")
+    if config.engine not in ("sglang", "vllm"):
+        raise ValueError(f"engine must be 'sglang' or 'vllm', not {config.engine!r}")
 
 
 def derive_config(base: SimConfig, **changes: Any) -> SimConfig:
@@ -248,6 +255,7 @@ def _zero_stats() -> dict[str, Any]:
     return {
         "requests_total": 0,
         "generation_requests": 0,
+        "proof_requests": 0,
         "health_generate_requests": 0,
         "completed": 0,
         "errors_by_code": {},
@@ -508,7 +516,7 @@ class _HTTPServer(ThreadingHTTPServer):
         logger.debug("connection error from %s", client_address, exc_info=True)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
     """HTTP/1.1 keep-alive handler speaking SGLang's endpoints."""
 
     protocol_version = "HTTP/1.1"
@@ -584,10 +592,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized(path):
             self._send_json(401, {"error": "Unauthorized"})
             return
-        routes = self.GET_ROUTES if method == "GET" else self.POST_ROUTES
+        wire = vllm_wire if self.sim.config.engine == "vllm" else self
+        routes = wire.GET_ROUTES if method == "GET" else wire.POST_ROUTES
         name = routes.get(path)
         if name is None:
-            if path in self.GET_ROUTES or path in self.POST_ROUTES:
+            if path in wire.GET_ROUTES or path in wire.POST_ROUTES:
                 self._send_json(405, {"detail": "Method Not Allowed"})
             else:
                 self._send_json(404, {"detail": "Not Found"})
@@ -640,6 +649,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, body, close=close)
 
     def _error(self, code: int, message: str, err_type: str) -> None:
+        if self.sim.config.engine == "vllm":
+            self._send_json(code, vllm_wire.error_body(code, message, err_type))
+            return
         self._send_json(code, {"object": "error", "message": message, "type": err_type,
                                "param": None, "code": code})
 
@@ -730,7 +742,10 @@ class _Handler(BaseHTTPRequestHandler):
         """POST /v1/chat/completions, non-streaming (stream=true -> 400 by design)."""
         sim = self.sim
         config = sim.config
-        if sim._note_generation_request():
+        proof = self.headers.get("X-Request-Id", "").startswith(PROOF_REQUEST_PREFIX)
+        if proof:
+            sim._count("proof_requests")  # a client's preflight probe: not counted as generation
+        elif sim._note_generation_request():
             sim._crash(config.restart_after_s)
             self._reset()
             return
@@ -742,6 +757,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         messages, max_tokens, enable_thinking, separate_reasoning, model = request
         prompt_tokens = lengths.count_prompt_tokens(messages)
+        vllm_error = (vllm_wire.context_error(prompt_tokens, max_tokens, config.context_length)
+                      if config.engine == "vllm" else None)
+        if vllm_error:
+            self._bad_request(vllm_error)
+            return
         if prompt_tokens >= config.context_length:
             self._bad_request(CONTEXT_TOO_LONG_MSG.format(
                 input_tokens=prompt_tokens, context_length=config.context_length))
@@ -751,13 +771,13 @@ class _Handler(BaseHTTPRequestHandler):
                 context_length=config.context_length, total_tokens=prompt_tokens + max_tokens,
                 input_tokens=prompt_tokens, max_tokens=max_tokens))
             return
-        if config.track_ids:
+        if config.track_ids and not proof:
             sim._note_prompt(lengths.prompt_hash(messages)[:16])
         cached = sim.conversations.on_request(messages, prompt_tokens, config.track_history)
         if not config.radix_cache:
             cached = 0
 
-        fault = sim._draw_fault()
+        fault = None if proof else sim._draw_fault()
         if fault == "error":
             self._error(500, INJECTED_ERROR_MSG, "InternalServerError")
             return
@@ -778,7 +798,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     length_scale=config.length_scale,
                                     enable_thinking=enable_thinking)
         cap = max_tokens if max_tokens is not None else config.context_length - prompt_tokens
-        parser_on = config.reasoning_parser is not None and separate_reasoning
+        parser_on = config.reasoning_parser is not None and (separate_reasoning or config.engine == "vllm")
         completion = lengths.render_completion(plan, max_tokens=cap,
                                                separate_reasoning=parser_on)
         if fault == "abort":
@@ -786,7 +806,8 @@ class _Handler(BaseHTTPRequestHandler):
             partial = lengths.render_completion(plan, max_tokens=max(1, completion.completion_tokens // 2),
                                                 separate_reasoning=parser_on)
             completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
-        job = _Job("chat", completion.completion_tokens, prompt_tokens, time.monotonic())
+        # A proof job takes a slot but stays out of the throughput stats (completed, busy, first admit).
+        job = _Job("proof" if proof else "chat", completion.completion_tokens, prompt_tokens, time.monotonic())
         job.cached = cached
         if not sim._sched.submit(job, self.server.dead):
             self._error(503, QUEUE_FULL_MSG, "ServiceUnavailableError")
@@ -797,6 +818,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if completion.finish_reason in ("stop", "length"):
             sim.conversations.on_answer(messages, completion.content, config.track_history)
+        if config.engine == "vllm":
+            self._send_json(200, vllm_wire.chat_response(model or config.served_model_name, int(time.time()),
+                                                          completion, prompt_tokens, cached if config.radix_cache else 0))
+            return
         self._send_json(200, {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",

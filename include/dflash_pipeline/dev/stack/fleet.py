@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 class SimFleetProcess:
     """``python -m dflash_pipeline.dev.sim --count N --urls-file PATH [extra_args]`` as a subprocess.
 
-    ``settings`` is a convenience for ``--set key=value`` pairs (appended after ``extra_args``).
+    ``settings`` is a convenience for ``--set key=value`` pairs (appended after ``extra_args``);
+    ``engines`` gives server i the wire flavour ``engines[i]`` ("sglang" or "vllm"; a mixed fleet).
     :attr:`urls` holds the ``count`` base URLs once :meth:`start` has returned.
     """
 
@@ -30,13 +31,18 @@ class SimFleetProcess:
         *,
         settings: Mapping[str, object] | None = None,
         workdir: Path | None = None,
+        engines: Sequence[str] | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("count must be >= 1")
+        if engines is not None and len(engines) != count:
+            raise ValueError(f"engines lists {len(engines)} servers, count is {count}")
         self.count = count
         self.extra_args = list(extra_args)
         for key, value in (settings or {}).items():
             self.extra_args += ["--set", f"{key}={value}"]
+        for index, engine in enumerate(engines or ()):
+            self.extra_args += ["--server-set", f"{index}:engine={engine}"]
         self._own_workdir = workdir is None
         self.workdir = workdir
         self.urls: list[str] = []

@@ -58,6 +58,7 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
 from dflash_pipeline.steps.generate.chunks import (
     ChunkStore,
     CommitOutcome,
@@ -103,6 +104,11 @@ class WorkerSettings:
     concurrency: int
     request_timeout_s: float = 300.0
     max_attempts: int = 5
+    # The server's engine (serving/engines.py) as preflight detected it: the request body's dialect.
+    engine: str = "sglang"
+    # Before this server completed a request, the slowest decode speed (tokens/s per request) still
+    # counted as generating: a request's deadline is max_tokens at that speed (serving/deadline.py).
+    min_decode_tok_s: float = 5.0
     server_lost_after_s: float = 120.0
     # A server failing everything this long hands its open chunks to the fleet (and keeps probing).
     handoff_after_s: float = 5.0
@@ -169,6 +175,7 @@ def settings_for(
         concurrency=int(server_info["concurrency"]),
         request_timeout_s=cfg.request_timeout_s,
         max_attempts=cfg.max_attempts,
+        engine=server_info.get("engine") or "sglang",
         server_lost_after_s=cfg.server_lost_after_s,
         handoff_after_s=min(float(getattr(cfg, "server_handoff_after_s", 5.0)), cfg.server_lost_after_s),
         lease_s=cfg.claim_lease_s,
@@ -397,15 +404,21 @@ class Worker:
         chunk, prompt = item
         s = self.settings
         out = _Outcome(chunk, prompt)
+        watch = server_watch(s.run_id, s.server, s.engine, DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s))
 
         def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
-            body = build_chat_body(messages, s.model, s.sampling, prompt["id"], int(prompt.get("sample") or 0))
+            """One turn: its own retries; a timeout is retried once, never regenerated max_attempts times."""
+            body = build_chat_body(messages, s.model, s.sampling, prompt["id"], sample=int(prompt.get("sample") or 0),
+                                   engine=s.engine)
+            timeouts = 0
             for attempt in range(1, s.max_attempts + 1):
                 out.attempts += 1
                 if chunk.dropped or self._stop_requested.is_set() or (chunk.lease is not None and chunk.lease.gone):
                     return None  # stopped or dropped: not a result, never an error row
                 try:
-                    completion, latency = chat_once(session, s.server, body, s.request_timeout_s)
+                    with watch.waiter(s.sampling.max_tokens) as wait:
+                        completion, latency = chat_once(session, s.server, body, s.request_timeout_s, wait)
+                    watch.record(completion.completion_tokens, latency)
                     out.done_t = time.monotonic()
                     completion = judge(completion, s.sampling)
                 except RequestFailure as exc:
@@ -413,7 +426,8 @@ class Worker:
                     out.last_failure_t = time.monotonic()
                     if out.first_failure_t is None:
                         out.first_failure_t = out.last_failure_t
-                    if not exc.transient or attempt == s.max_attempts:
+                    timeouts += exc.error_class == "Timeout"
+                    if not exc.transient or attempt == s.max_attempts or timeouts >= 2:
                         raise
                     delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                     self._stop_requested.wait(delay)

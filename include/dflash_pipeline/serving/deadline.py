@@ -1,0 +1,226 @@
+"""How long to wait for one non-streaming chat request: long enough for the work, short for a hang.
+
+Why: a fixed `request_timeout_s` (300 s) cuts off a healthy 16-32k-token thinking generation (at
+tens of tokens/s per request it takes many minutes), which is then regenerated from scratch. A
+non-streaming request gives no sign of progress, so the decision uses what we can observe:
+
+1. **Budget from measured speed.** Every completed request on this server gives a per-request
+   speed, completion_tokens / latency (queue wait and prefill included, so it errs slow). A
+   request may take `max_tokens / v_slow`, where `v_slow` is the 10th percentile of the recent
+   speeds times `speed_margin` (0.5: half as fast as the slowest tenth), and never less than
+   `request_timeout_s`. Before any request completed, `v_slow` is `min_decode_tok_s`.
+2. **Liveness after `request_timeout_s`.** Past `request_timeout_s`, the waiting request thread
+   checks the server (at most every `check_every_s`, shared by all threads of the server): if it
+   does not answer its load endpoint (SGLang `/get_load`, vLLM `/metrics`) or reports holding no
+   request at all while ours are outstanding, twice in a row, the request is not being generated
+   and is cut at once. Otherwise it is plausibly generating and waits up to its budget.
+
+A hung request is therefore caught within about `request_timeout_s` (+ two checks) when the
+server is stuck, gone, or holds none of our requests; a request the server lost while it keeps
+generating others is indistinguishable, without streaming, from a long generation, and is cut at
+its budget. Streaming with an idle timeout would tell them apart, but parsing one JSON event per
+token costs far more client CPU than the whole non-streaming request. The caller (the generate
+worker) retries a timed-out request at most once; a second timeout is an error row.
+
+The waiting costs nothing for an answer that comes within `request_timeout_s / 2` (a plain
+blocking read, as without deadlines); after that, one poll() per `check_every_s` on the request's
+socket, and the response is read once bytes have arrived (see ChatClient.post).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Completed requests shorter than this say more about prefill and queueing than decode speed.
+MIN_TOKENS_FOR_SPEED = 32
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    request_timeout_s: float = 300.0
+    # Slowest per-request decode speed still called "generating" before any request completed.
+    min_decode_tok_s: float = 5.0
+    speed_margin: float = 0.5
+    window: int = 200
+
+
+class ServerWatch:
+    """Per server and run: decode speeds of completed requests, our outstanding requests, and
+    the server's answer to "how many requests do you hold" (cached, shared by request threads)."""
+
+    def __init__(self, policy: DeadlinePolicy, probe: Callable[[], int | None] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._probe = probe  # None: the engine has no load endpoint (generic server)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._speeds: deque[float] = deque(maxlen=policy.window)
+        self._open: dict[int, float] = {}
+        self._ids = itertools.count()
+        self._probe_t = -1e18
+        self._probe_result: tuple[bool, int | None] = (True, None)
+        self._strikes = 0
+        self._strike_probe_t = -1e18
+
+    @property
+    def check_every_s(self) -> float:
+        return min(5.0, max(0.02, self.policy.request_timeout_s / 8))
+
+    def record(self, completion_tokens: int | None, latency_s: float) -> None:
+        if completion_tokens and completion_tokens >= MIN_TOKENS_FOR_SPEED and latency_s > 0:
+            with self._lock:
+                self._speeds.append(completion_tokens / latency_s)
+
+    def slow_speed(self) -> float:
+        """Tokens/s a request of this server may plausibly be as slow as."""
+        with self._lock:
+            speeds = sorted(self._speeds)
+        if not speeds:
+            return self.policy.min_decode_tok_s
+        return speeds[len(speeds) // 10] * self.policy.speed_margin
+
+    def budget_s(self, max_tokens: int) -> float:
+        return max(self.policy.request_timeout_s, max_tokens / self.slow_speed())
+
+    def begin(self) -> int:
+        with self._lock:
+            ticket = next(self._ids)
+            self._open[ticket] = self._clock()
+            return ticket
+
+    def end(self, ticket: int) -> None:
+        with self._lock:
+            self._open.pop(ticket, None)
+
+    def _server_state(self) -> tuple[bool, int | None]:
+        """(answered, requests held); probed at most every check_every_s by one thread."""
+        now = self._clock()
+        if now - self._probe_t < self.check_every_s or not self._probe_lock.acquire(blocking=False):
+            return self._probe_result
+        try:
+            try:
+                held = self._probe() if self._probe else None
+                result = (held is not None, held)
+            except Exception:  # noqa: BLE001 - a failed probe is the signal
+                result = (False, None)
+            self._probe_result, self._probe_t = result, self._clock()
+            return result
+        finally:
+            self._probe_lock.release()
+
+    def stuck(self) -> bool:
+        """True when the server is not generating any of our requests: it does not answer its
+        load endpoint, or holds nothing while requests of ours are outstanding, on two probes in
+        a row (a finished response still on its way back is not mistaken for a loss)."""
+        if self._probe is None:
+            return False
+        answered, held = self._server_state()
+        with self._lock:
+            if self._probe_t == self._strike_probe_t:
+                return self._strikes >= 2
+            self._strike_probe_t = self._probe_t
+            lost = not answered or (held == 0 and bool(self._open))
+            self._strikes = self._strikes + 1 if lost else 0
+            return self._strikes >= 2
+
+    def waiter(self, max_tokens: int) -> RequestWait:
+        return RequestWait(self, max_tokens)
+
+
+class RequestWait:
+    """The `keep_waiting(elapsed)` callback of one request (see ChatClient.post)."""
+
+    def __init__(self, watch: ServerWatch, max_tokens: int) -> None:
+        self.watch = watch
+        self.max_tokens = max_tokens
+        self.ticket: int | None = None
+        self.why: str = ""
+
+    @property
+    def slice_s(self) -> float:
+        return self.watch.check_every_s
+
+    @property
+    def quiet_s(self) -> float:
+        """Wait this long plainly (no checks: nothing is decided before request_timeout_s / 2)."""
+        return self.watch.policy.request_timeout_s / 2
+
+    def __enter__(self) -> RequestWait:
+        self.ticket = self.watch.begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ticket is not None:
+            self.watch.end(self.ticket)
+
+    def __call__(self, elapsed: float) -> bool:
+        timeout = self.watch.policy.request_timeout_s
+        if elapsed < timeout:
+            # Probe early so that two probes are in by request_timeout_s.
+            if elapsed >= timeout / 2:
+                self.watch.stuck()
+            return True
+        if self.watch.stuck():
+            self.why = f"the server is not generating it (checked after {elapsed:.0f}s)"
+            return False
+        budget = self.watch.budget_s(self.max_tokens)
+        if elapsed >= budget:
+            self.why = (f"no answer within {budget:.0f}s, the time for max_tokens={self.max_tokens} at "
+                        f"{self.watch.slow_speed():.1f} tokens/s")
+            return False
+        return True
+
+
+_WATCHES: dict[tuple[str, str, str], ServerWatch] = {}
+_WATCHES_LOCK = threading.Lock()
+
+
+def watch_for(key: tuple[str, str, str], policy: DeadlinePolicy,
+              probe: Callable[[], int | None] | None) -> ServerWatch:
+    """The ServerWatch of (run_id, server name, base_url) in this process, created on first use:
+    every request thread of one server shares its speeds and probes."""
+    with _WATCHES_LOCK:
+        watch = _WATCHES.get(key)
+        if watch is None or watch.policy != policy:
+            watch = _WATCHES[key] = ServerWatch(policy, probe)
+        return watch
+
+
+def forget(prefix: Any = None) -> None:
+    """Drop the watches (all, or those whose run_id is `prefix`)."""
+    with _WATCHES_LOCK:
+        for key in [k for k in _WATCHES if prefix is None or k[0] == prefix]:
+            del _WATCHES[key]
+
+
+def server_watch(run_id: str, server: Any, engine: str | None, policy: DeadlinePolicy) -> ServerWatch:
+    """The shared ServerWatch of one server (a serving.sglang.ServerSpec) in one run, probing the
+    engine's load endpoint with its own HTTP session."""
+    from dflash_pipeline.serving.sglang import new_session, server_load
+    from dflash_pipeline.serving.engines import adapter
+
+    key = (run_id, server.name, server.base_url)
+    with _WATCHES_LOCK:
+        existing = _WATCHES.get(key)
+        if existing is not None and existing.policy == policy:
+            return existing
+    probe = None
+    if adapter(engine).load_path is not None:
+        session = new_session()
+        session_lock = threading.Lock()
+
+        def probe() -> int | None:
+            with session_lock:
+                return server_load(session, server, engine, timeout_s=min(5.0, policy.request_timeout_s / 4))
+
+    return watch_for(key, policy, probe)
