@@ -82,8 +82,9 @@ def test_vllm_server_whose_context_cannot_hold_max_tokens_plus_longest_prompt_is
             _run(s3_client, bucket, fleet, "ctx", 10, max_tokens=4096)
         assert sum(s["generation_requests"] for s in fleet.stats()) == 0
     text = str(exc.value)
-    assert f"server {fleet.urls[1]}" in text and fleet.urls[0] not in text
-    assert "context_length 4100 cannot hold max_tokens 4096" in text and "longest prompt" in text
+    assert f"server {fleet.urls[1]}:" in text and f"server {fleet.urls[0]}:" not in text
+    assert "context_length 4100" in text and "cannot hold max_tokens 4096" in text and "longest prompt" in text
+    assert f"which {fleet.urls[0]} can" in text
 
 
 @pytest.mark.slow

@@ -66,39 +66,42 @@ def prove_server(
     spec: ServerSpec, info: ServerInfo, cfg: RunConfig, model: str, run_id: str,
     messages: list[dict[str, str]], longest: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """One chat request with the run's settings. Raises ConfigError when the server cannot do the
-    job: its context cannot hold max_tokens plus the longest prompt, or with thinking enabled its
-    answer has neither a reasoning field nor `<think>` in the content (no reasoning parser and a
-    template that hides the tags). A transient failure raises RequestFailure (server down)."""
+    """One chat request with the run's settings, the plan's longest prompt. Raises ConfigError when
+    the server cannot do the job: with thinking enabled its answer has neither a reasoning field nor
+    `<think>` in the content (no reasoning parser and a template that hides the tags). Whether its
+    context holds max_tokens plus that prompt is returned (`fits`) and judged against the fleet by
+    `judge_context`. A transient failure raises RequestFailure (server down)."""
     sampling = dataclasses.replace(cfg.sampling, max_tokens=PROOF_MAX_TOKENS)
-    body = build_chat_body(messages, model, sampling, "preflight-proof", info.engine)
     headers = {"X-Request-Id": f"{PROOF_REQUEST_PREFIX}-{run_id}-{spec.name}"[:200]}
-    what = (f"the plan's longest prompt ({longest['id']}, {longest['bytes']} bytes)" if longest
-            else "a short prompt")
-    for attempt in range(1, PROOF_ATTEMPTS + 1):
-        try:
-            completion, latency = chat_once(new_chat_client(), spec, body, cfg.request_timeout_s, headers=headers)
-            break
-        except RequestFailure as exc:
-            if exc.error_class == "ContextLengthExceeded":
-                raise ConfigError(
-                    f"server {spec.name}: {what} does not fit its context "
-                    f"(context_length {info.context_length}): {exc.message}"
-                ) from exc
-            if exc.kind != "transient":
-                raise ConfigError(f"server {spec.name}: the proof request failed: {exc.message}") from exc
-            if attempt == PROOF_ATTEMPTS:
-                raise
-            time.sleep(0.5 * attempt)
-    prompt_tokens = completion.prompt_tokens
-    if info.context_length and prompt_tokens is not None:
-        need = prompt_tokens + cfg.sampling.max_tokens
-        if need > info.context_length:
-            raise ConfigError(
-                f"server {spec.name}: context_length {info.context_length} cannot hold max_tokens "
-                f"{cfg.sampling.max_tokens} plus {what}, which is {prompt_tokens} tokens on this server "
-                f"({need} > {info.context_length}): start it with a larger context length, or lower max_tokens"
-            )
+
+    def ask(msgs: list[dict[str, str]]) -> tuple[Any, float]:
+        body = build_chat_body(msgs, model, sampling, "preflight-proof", info.engine)
+        for attempt in range(1, PROOF_ATTEMPTS + 1):
+            try:
+                return chat_once(new_chat_client(), spec, body, cfg.request_timeout_s, headers=headers)
+            except RequestFailure as exc:
+                if exc.kind == "permanent" and exc.error_class == "ContextLengthExceeded":
+                    raise
+                if exc.kind != "transient":
+                    raise ConfigError(f"server {spec.name}: the proof request failed: {exc.message}") from exc
+                if attempt == PROOF_ATTEMPTS:
+                    raise
+                time.sleep(0.5 * attempt)
+        raise AssertionError("unreachable")
+
+    fits: bool | None = None
+    prompt_tokens: int | None = None
+    try:
+        completion, latency = ask(messages)
+        prompt_tokens = completion.prompt_tokens
+        if info.context_length and prompt_tokens is not None:
+            fits = prompt_tokens + cfg.sampling.max_tokens <= info.context_length
+    except RequestFailure as exc:
+        if exc.error_class != "ContextLengthExceeded":
+            raise
+        fits = False  # the prompt alone is refused; the answer's shape is proven on a short one
+        logger.warning("server %s: the plan's longest prompt does not fit its context: %s", spec.name, exc.message)
+        completion, latency = ask(PROOF_MESSAGES)
     shape = completion.reasoning_source or "none"
     if cfg.sampling.enable_thinking and not completion.reasoning:
         raise ConfigError(
@@ -110,12 +113,41 @@ def prove_server(
         )
     return {
         "prompt_tokens": prompt_tokens,
+        "fits": fits,
+        "context_length": info.context_length,
         "completion_tokens": completion.completion_tokens,
         "finish_reason": completion.finish_reason,
         "reasoning_shape": shape,
         "longest_prompt_id": longest["id"] if longest else None,
         "latency_s": round(latency, 3),
     }
+
+
+def judge_context(proofs: dict[str, dict[str, Any]], max_tokens: int, longest: dict[str, Any] | None) -> tuple[list[str], str | None]:
+    """(refusals, warning) from the proofs' `fits`. A server that cannot hold max_tokens plus the
+    plan's longest prompt while another server can is misconfigured (a smaller --context-length):
+    refused, with the figures. When no server can hold it, the fleet is consistent and only the
+    longest prompts are too long: they become permanent ContextLengthExceeded error rows (a failed
+    request is a row), so the run goes on with a warning rather than failing on one outlier."""
+    what = f"the plan's longest prompt ({longest['id']}, {longest['bytes']} bytes)" if longest else "the proof prompt"
+    ok = sorted(n for n, p in proofs.items() if p.get("fits") is not False)
+    short = sorted(n for n, p in proofs.items() if p.get("fits") is False)
+    if not short:
+        return [], None
+
+    def figures(name: str) -> str:
+        p = proofs[name]
+        tokens = f"{p['prompt_tokens']} tokens here" if p.get("prompt_tokens") is not None else "refused outright"
+        return f"context_length {p.get('context_length')}, {what}: {tokens}"
+
+    if ok:
+        return [
+            f"server {n}: {figures(n)}; it cannot hold max_tokens {max_tokens} plus that prompt, which "
+            f"{', '.join(ok)} can: start it with the same --context-length as the others, or lower max_tokens"
+            for n in short
+        ], None
+    return [], (f"no server can hold max_tokens {max_tokens} plus {what} ({'; '.join(figures(n) for n in short)}): "
+                "prompts that long will be ContextLengthExceeded error rows; lower max_tokens or shorten them to keep them")
 
 
 def resolve_model(cfg_model: str | None, infos: list[ServerInfo], pinned: str | None) -> str:
@@ -217,17 +249,23 @@ def run_preflight(
             continue
         else:
             logger.info("server %s: proof request ok: %s", info.name, proofs[info.name])
+    context_refusals, context_warning = judge_context(proofs, cfg.sampling.max_tokens, longest)
+    refused += context_refusals
     if refused:
         raise ConfigError("; ".join(refused))
+    if context_warning:
+        logger.warning("%s", context_warning)
 
     def record_proofs(manifest: dict[str, Any]) -> None:
+        if context_warning:
+            manifest.setdefault("runs", {}).setdefault(run_id, {})["context_warning"] = context_warning
         for entry in manifest.get("servers", []):
             if entry.get("name") in proofs:
                 entry["proof"] = proofs[entry["name"]]
             elif any(s.name == entry.get("name") for s, _ in down) and "unreachable" not in entry:
                 entry["unreachable"] = next(m for s, m in down if s.name == entry["name"])
 
-    if proofs or down:
+    if proofs or down or context_warning:
         update_manifest(store, layout, record_proofs)
 
     out: list[dict[str, Any]] = []
