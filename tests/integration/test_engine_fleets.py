@@ -130,7 +130,7 @@ def test_a_timeout_is_retried_once_then_an_error_row(s3_client, bucket) -> None:
     assert {r["error_class"] for r in rows} == {"Timeout"} and {r["attempts"] for r in rows} == {2}
     # Each _do_request sends a timed-out prompt twice, not max_attempts=5 times; the worker may
     # put a prompt back (MAX_REQUEUES) while its server completes nothing at all.
-    from dflash_pipeline.steps.generate.worker import MAX_REQUEUES
+    from dflash_pipeline.steps.generate.state import MAX_REQUEUES
 
     assert 8 <= stats[0]["generation_requests"] <= 2 * (1 + MAX_REQUEUES) * 4
     assert stats[0]["generation_requests"] % 2 == 0

@@ -773,7 +773,9 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             return
         if config.track_ids and not proof:
             sim._note_prompt(lengths.prompt_hash(messages)[:16])
-        cached = sim.conversations.on_request(messages, prompt_tokens, config.track_history)
+        # A proof request is the client's probe, not generation: it stays out of the history audit
+        # (in all_turns mode it carries the input's original answers) and out of the radix model.
+        cached = 0 if proof else sim.conversations.on_request(messages, prompt_tokens, config.track_history)
         if not config.radix_cache:
             cached = 0
 
@@ -816,7 +818,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if job.aborted:
             self._reset()
             return
-        if completion.finish_reason in ("stop", "length"):
+        if completion.finish_reason in ("stop", "length") and not proof:
             sim.conversations.on_answer(messages, completion.content, config.track_history)
         if config.engine == "vllm":
             self._send_json(200, vllm_wire.chat_response(model or config.served_model_name, int(time.time()),

@@ -13,9 +13,9 @@ by their own thread) only keep workers from doing the same work.
 Threads and what they own:
 - main: the dispatch loop; `pending`, `in_flight`, the open chunks' `results`, OPEN/REPAIRING ->
   QUEUED/RELEASED; the stop path (after stopping the others it owns every lease left).
-- claimer: scanning S3 and claiming; CLAIMED and the moves out of it; `_done` / `_lowest` (under
-  `_scan_lock`).
-- committer: QUEUED -> COMMITTING -> COMMITTED, markers, partial cleanup.
+- claimer (claiming.py): scanning S3 and claiming; CLAIMED and the moves out of it; `_done_cache`
+  / `_lowest_unfinished` (under `_scan_lock`); parked claims (`_unopened`).
+- committer (committing.py): QUEUED -> COMMITTING -> COMMITTED, markers, partial cleanup.
 - renewer (chunks.LeaseKeeper): renewals; a refused one marks the chunk dropped.
 - request threads: one request each; they only read their chunk's `dropped` flag.
 
@@ -33,7 +33,6 @@ the size of the prompt set; a SIGKILL loses at most those rows' unsaved results.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import random
@@ -42,16 +41,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_pipeline.config import Sampling
-from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
-from dflash_pipeline.dataset.records import decode_inputs, decode_part, encode_part, unit_key, warm_up
-from dflash_pipeline.dataset.store import ObjectInfo, PreconditionFailed, Store, StoreUnavailable, with_retries
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import encode_part, unit_key, warm_up
+from dflash_pipeline.dataset.store import ObjectInfo, Store, StoreUnavailable, with_retries
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
-    ServerSpec,
     build_chat_body,
     chat_once,
     check_health,
@@ -61,7 +57,6 @@ from dflash_pipeline.serving.sglang import (
 from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
 from dflash_pipeline.steps.generate.chunks import (
     ChunkStore,
-    CommitOutcome,
     Lease,
     LeaseKeeper,
     Leases,
@@ -69,235 +64,27 @@ from dflash_pipeline.steps.generate.chunks import (
     claim_body,
     claim_doc,
 )
+from dflash_pipeline.steps.generate.claiming import Claiming
+from dflash_pipeline.steps.generate.committing import Committing
 from dflash_pipeline.steps.generate.conversation import conversation_row, run_conversation
-from dflash_pipeline.steps.generate.outcomes import FINISHED, error_row, judge, unexpected_failure
+from dflash_pipeline.steps.generate.outcomes import error_row, judge, unexpected_failure
+from dflash_pipeline.steps.generate.pool import RequestPool
+from dflash_pipeline.steps.generate.settings import WorkerSettings
+from dflash_pipeline.steps.generate.state import (
+    MAX_REQUEUES,
+    OpenChunk,
+    Outcome,
+    ServerBroken,
+    ServerConfigError,
+    ServerLost,
+    TaskStopped,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 
 
-MAX_REQUEUES = 3
-
-
-class ServerLost(Exception):
-    """The server stopped answering for good; its work was released. Airflow may retry later."""
-
-
-class ServerConfigError(Exception):
-    """The server refuses us (API key, endpoint, model): a retry cannot fix it."""
-
-
-class ServerBroken(ServerConfigError):
-    """The server answers (nearly) every request with a permanent error while the fleet does not."""
-
-
-class TaskStopped(Exception):
-    """Stopped from outside (SIGTERM): finished rows were saved and claims released."""
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    run_id: str
-    worker: str
-    server: ServerSpec
-    model: str
-    sampling: Sampling
-    concurrency: int
-    request_timeout_s: float = 300.0
-    max_attempts: int = 5
-    # The server's engine (serving/engines.py) as preflight detected it: the request body's dialect.
-    engine: str = "sglang"
-    # Before this server completed a request, the slowest decode speed (tokens/s per request) still
-    # counted as generating: a request's deadline is max_tokens at that speed (serving/deadline.py).
-    min_decode_tok_s: float = 5.0
-    server_lost_after_s: float = 120.0
-    # A server failing everything this long hands its open chunks to the fleet (and keeps probing).
-    handoff_after_s: float = 5.0
-    lease_s: float = 180.0
-    backoff_base_s: float = 1.0
-    backoff_cap_s: float = 30.0
-    poll_s: float = 1.0
-    progress_every_s: float = 10.0
-    # Early in a run progress is published more often (every elapsed/10 s, at least this often), so
-    # a short run still draws a throughput curve; from 10 x progress_every_s on it is every_s.
-    progress_first_s: float = 1.0
-    store_deadline_s: float = 600.0
-    try_number: int = 1
-    retry_failed_rows: str = "transient"
-    # Derived concurrency (not set by the user): queue about `headroom_s` of work at the server on
-    # top of `concurrency`, so a fast server's freed slots never wait for the client's round trip.
-    adaptive_headroom: bool = False
-    headroom_s: float = 0.25
-    # Claim the next chunk while at least this many seconds of work (at the current completion
-    # rate) are still ready, or 3x the measured claim latency if that is longer: a claim is
-    # several S3 round trips, and a slow S3 must not leave the server's slots empty.
-    claim_ahead_s: float = 0.5
-    map_index: int = 0
-    n_workers: int = 1
-    # A claim may use a listing of parts and claims this recent (see Worker._try_claim).
-    scan_reuse_s: float = 1.0
-    # Retry markers of earlier runs only change when a run ends; list them this often, not per claim.
-    marker_scan_every_s: float = 30.0
-    # Rows claimed and not yet committed (open, queued, committing); None = 2 chunks + 4x concurrency.
-    held_rows_cap: int | None = None
-    # After request_stop(): time to commit complete chunks, save partials and release claims.
-    stop_grace_s: float = 3.0
-    # Breaker: over the last `breaker_window` results, trip at this permanent-error share alone, or
-    # at `breaker_share_vs_fleet` when the other workers' share is at most a quarter of ours.
-    breaker_window: int = 40
-    breaker_share_alone: float = 0.95
-    breaker_share_vs_fleet: float = 0.5
-
-    @property
-    def owner(self) -> str:
-        return f"{self.run_id}#{self.worker}"
-
-
-def settings_for(
-    cfg: Any,
-    *,
-    run_id: str,
-    map_index: int,
-    server: ServerSpec,
-    server_info: dict[str, Any],
-    try_number: int = 1,
-    **overrides: Any,
-) -> WorkerSettings:
-    """WorkerSettings of the generate task for one server, from the run's config (`RunConfig`) and
-    preflight's per-server dict: the one place the DAG, the benchmarks and the fault lab build them."""
-    values: dict[str, Any] = dict(
-        run_id=run_id,
-        worker=f"w{map_index:04d}",
-        map_index=map_index,
-        n_workers=len(cfg.servers),
-        server=server,
-        model=server_info["model"],
-        sampling=cfg.sampling,
-        concurrency=int(server_info["concurrency"]),
-        request_timeout_s=cfg.request_timeout_s,
-        max_attempts=cfg.max_attempts,
-        engine=server_info.get("engine") or "sglang",
-        server_lost_after_s=cfg.server_lost_after_s,
-        handoff_after_s=min(float(getattr(cfg, "server_handoff_after_s", 5.0)), cfg.server_lost_after_s),
-        lease_s=cfg.claim_lease_s,
-        try_number=try_number,
-        retry_failed_rows=cfg.retry_failed_rows,
-        adaptive_headroom=cfg.concurrency_per_server is None,
-    )
-    values.update(overrides)
-    return WorkerSettings(**values)
-
-
-@dataclass
-class OpenChunk:
-    index: int
-    lease: Lease | None
-    prompts: list[dict[str, Any]]
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Set (by main or the renewer) once the chunk is no longer ours to work on; request threads read it.
-    dropped: bool = False
-    # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
-    base_rows: list[dict[str, Any]] | None = None
-    part_etag: str | None = None
-    marker_runs: list[str] = field(default_factory=list)
-    # Prompts still to send (all of them unless rows were reused from a partial).
-    todo: list[dict[str, Any]] | None = None
-
-    def prompts_to_send(self) -> list[dict[str, Any]]:
-        return self.prompts if self.todo is None else self.todo
-
-    @property
-    def complete(self) -> bool:
-        return len(self.results) == len(self.prompts)
-
-    @property
-    def lost(self) -> bool:
-        return self.dropped
-
-
-@dataclass
-class _Outcome:
-    chunk: OpenChunk
-    prompt: dict[str, Any]
-    row: dict[str, Any] | None = None
-    failure: RequestFailure | None = None
-    first_failure_t: float | None = None
-    last_failure_t: float | None = None
-    done_t: float = 0.0
-    attempts: int = 0
-
-
-@dataclass
-class WorkerStats:
-    completions: int = 0
-    errors: int = 0
-    permanent_errors: int = 0
-    errors_by_class: dict[str, int] = field(default_factory=dict)
-    output_tokens: int = 0
-    chunks_committed: int = 0
-    chunks_taken_over: int = 0
-    chunks_lost_to_others: int = 0
-    commits_refused: int = 0
-    rows_discarded: int = 0
-    requests_sent: int = 0
-    requests_requeued: int = 0
-    handoffs: int = 0
-    started_t: float = field(default_factory=time.monotonic)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["elapsed_s"] = round(time.monotonic() - d.pop("started_t"), 3)
-        return d
-
-
-def _rotate(items: list[int], width: int, k: int) -> list[int]:
-    """`items` with its first `width` rotated left by k (mod how many there are)."""
-    n = min(len(items), width)
-    if n <= 1:
-        return items
-    k %= n
-    return items[k:n] + items[:k] + items[n:]
-
-
-class _RequestPool:
-    """`n` daemon threads, each with its own keep-alive session, running one request at a time.
-
-    Daemon threads (not a ThreadPoolExecutor) so a task that gives up on a dead server is not kept
-    alive by requests still waiting for their timeout.
-    """
-
-    def __init__(self, n: int, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
-        self._in: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._threads = []
-        for i in range(n):
-            t = threading.Thread(target=self._loop, args=(fn, session_factory), name=f"req-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _loop(self, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
-        session: Any = None
-        while not self._stop.is_set():
-            item = self._in.get()
-            if item is None:
-                return
-            try:
-                if session is None:
-                    session = session_factory()
-                self.out.put(fn(session, item))
-            except BaseException as exc:  # noqa: BLE001 - surfaced to the main loop
-                self.out.put(exc)
-
-    def submit(self, item: Any) -> None:
-        self._in.put(item)
-
-    def close(self) -> None:
-        self._stop.set()
-        for _ in self._threads:
-            self._in.put(None)
-
-
-class Worker:
+class Worker(Claiming, Committing):
     """Drives one server until every chunk of the dataset is committed (by anyone)."""
 
     def __init__(
@@ -396,14 +183,14 @@ class Worker:
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
     # -- request thread ----------------------------------------------------------------------
-    def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> _Outcome:
+    def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> Outcome:
         """Never raises: whatever happens becomes this row's outcome (a failed request is a row).
 
         One unit is one (id, sample); in all_turns mode its whole conversation runs here, turn
         after turn on this thread's server (conversation.py has the rules)."""
         chunk, prompt = item
         s = self.settings
-        out = _Outcome(chunk, prompt)
+        out = Outcome(chunk, prompt)
         watch = server_watch(s.run_id, s.server, s.engine, DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s))
 
         def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
@@ -453,385 +240,11 @@ class Worker:
             out.last_failure_t = time.monotonic()
         return out
 
-    def _error_row(self, out: _Outcome) -> dict[str, Any]:
+    def _error_row(self, out: Outcome) -> dict[str, Any]:
         assert out.failure is not None
         s = self.settings
         return error_row(out.prompt, out.failure, model=s.model, server=s.server.name, attempts=out.attempts,
                          chunk=out.chunk.index, run_id=s.run_id)
-
-    # -- scanning (claimer thread, and main's _all_done) -----------------------------------------
-    def _scan(self, fresh_markers: bool = False) -> tuple[set[int], dict[int, ObjectInfo], set[int]]:
-        """(committed chunks, claims of chunks, chunks to repair). The two listings run at once."""
-        claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
-        prefix = self.layout.completions_prefix
-        with self._scan_lock:
-            done = set(self._done_cache)
-            low = self._lowest_unfinished
-            after = self.layout.part_key(low - 1) if low > 0 else None
-            for obj in self.store.list(prefix, start_after=after):
-                c = chunk_of_key(obj.key, prefix)
-                if c is not None:
-                    done.add(c)
-            while low < self.n_chunks and low in done:
-                low += 1
-            self._lowest_unfinished = low
-            self._done_cache = done
-        claims: dict[int, ObjectInfo] = {}
-        for obj in claims_f.result():
-            c = chunk_of_key(obj.key, self.layout.claims_prefix)
-            if c is not None:
-                claims[c] = obj
-        return done, claims, self._repairs(done, fresh_markers)
-
-    def _mark_done(self, c: int) -> None:
-        with self._scan_lock:
-            self._done_cache.add(c)
-
-    def _repairs(self, done: set[int], fresh: bool) -> set[int]:
-        """Committed chunks whose retry marker asks this run for a repair."""
-        if self.settings.retry_failed_rows == "none":
-            return set()
-        now = time.monotonic()
-        cached = self._repair_cache
-        if fresh or cached is None or now - cached[0] >= self.settings.marker_scan_every_s:
-            wanted: set[int] = set()
-            prefix = self.layout.retry_prefix
-            for obj in self.store.list(prefix):
-                c = chunk_of_key(obj.key, prefix)
-                if c is not None and self._marker_wants_repair(obj):
-                    wanted.add(c)
-            cached = self._repair_cache = (now, wanted)
-        return {c for c in cached[1] if c in done}
-
-    def _marker_body(self, obj: ObjectInfo) -> dict[str, Any] | None:
-        cached = self._markers.get(obj.key)
-        if cached is None or cached[0] != obj.etag:
-            got = self.store.get(obj.key)
-            if got is None:
-                return None
-            body = claim_doc(got[0])
-            cached = (got[1], body)
-            self._markers[obj.key] = cached
-        return cached[1]
-
-    @staticmethod
-    def _marker_runs(body: dict[str, Any]) -> list[str]:
-        runs = body.get("runs")
-        if isinstance(runs, list):
-            return [str(r) for r in runs]
-        return [str(body["run_id"])] if body.get("run_id") else []
-
-    def _marker_wants_repair(self, obj: ObjectInfo) -> bool:
-        """A marker no run of ours has produced or repaired yet: each run touches a chunk's error
-        rows at most once, so two runs on one root never repair each other's rows back and forth."""
-        body = self._marker_body(obj)
-        if body is None or self.settings.run_id in self._marker_runs(body):
-            return False
-        if self.settings.retry_failed_rows == "all":
-            return int(body.get("retryable", 0)) + int(body.get("permanent", 0)) > 0
-        return int(body.get("retryable", 0)) > 0
-
-    def _wants_redo(self, row: dict[str, Any]) -> bool:
-        if row.get("run_id") == self.settings.run_id:
-            return False
-        if not row.get("error_class"):
-            # Stored as a completion by older code although unfinished ("abort"): retryable.
-            return row.get("finish_reason") not in FINISHED
-        return self.settings.retry_failed_rows == "all" or bool(row.get("retryable"))
-
-    def _find_own_stale(self, claims: dict[int, ObjectInfo]) -> set[int]:
-        """Chunks a previous try of this same worker claimed: ours to take back without waiting."""
-        own: set[int] = set()
-        for c in claims:
-            got = self.store.get(self.layout.claim_key(c))
-            if got is not None and claim_doc(got[0]).get("owner") == self.settings.owner:
-                own.add(c)
-        if own:
-            logger.info("taking back %d chunk(s) claimed by an earlier try of this task: %s", len(own), sorted(own))
-        return own
-
-    # -- claimer thread ------------------------------------------------------------------------
-    def _try_claim(self) -> OpenChunk | None:
-        """Claim one chunk: from the last listing if it is recent, else (or if that finds none) a new one.
-
-        A listing up to `scan_reuse_s` old is safe to claim from: every claim is a conditional write
-        and a chunk is checked for a committed part after it is claimed, so a stale entry costs one
-        refused request, never a duplicate.
-        """
-        cached = self._last_scan
-        if cached is not None and time.monotonic() - cached[0] < self.settings.scan_reuse_s:
-            chunk = self._claim_from(*cached[1], stale=True)
-            if chunk is not None:
-                return chunk
-        scan = self._scan()
-        self._last_scan = (time.monotonic(), scan)
-        return self._claim_from(*scan)
-
-    def _claim_from(
-        self, done: set[int], claims: dict[int, ObjectInfo], repair: set[int], stale: bool = False
-    ) -> OpenChunk | None:
-        """Claim the first free chunk of a listing. From a reused listing, the first refusal ends the
-        attempt: others have been claiming since, and walking on would cost a round trip per chunk."""
-        if self._own_stale is None:
-            # Only a later try of this task can find claims of its own (the owner names run and worker).
-            self._own_stale = (
-                self._find_own_stale({c: o for c, o in claims.items() if c not in done or c in repair})
-                if self.settings.try_number > 1 else set()
-            )
-        now = self.store.server_time()
-
-        def held(c: int) -> bool:
-            if self.leases.held(c):
-                return True
-            info = claims.get(c)
-            if info is None or c in self._own_stale:
-                return False
-            return (now - info.last_modified).total_seconds() <= self.settings.lease_s
-
-        free = [c for c in range(self.n_chunks) if c not in done and not held(c)]
-        # Plan order (the plan's shrinking tail stays last), except where workers claim at the same
-        # moment: the first claim starts at the worker's own place among the first few free chunks,
-        # and after a refusal each jumps to its own place among the next few.
-        w = max(1, self.settings.n_workers)
-        if not self._ours_ever:
-            free = _rotate(free, w, self.settings.map_index)
-        candidates = deque([*free, *sorted(c for c in repair if not held(c))])
-        refused = False
-        while candidates and not self._claimer_stop.is_set():
-            c = candidates.popleft()
-            info = claims.get(c)
-            lease = self.chunks.claim(c, info, deadline_s=min(30.0, self.settings.store_deadline_s),
-                                      should_stop=self._claimer_stop.is_set)
-            if lease is not None and self._claimer_stop.is_set():
-                # Stopping began while the claim was in flight: main may already have released
-                # the leases it saw, so this one is released here, at once.
-                self.leases.add(lease)
-                self._release_claimed(lease)
-                return None
-            if lease is None:
-                if stale:
-                    self._last_scan = None
-                    return None
-                if not refused:
-                    refused = True
-                    candidates = deque(_rotate(list(candidates), w, self.settings.map_index))
-                continue
-            if info is not None:
-                mine = c in self._own_stale
-                self._own_stale.discard(c)
-                if not mine:
-                    self._count("chunks_taken_over")
-                    age = (now - info.last_modified).total_seconds()
-                    logger.warning("took over chunk %d: its claim was not renewed for %.0fs", c, age)
-            self.leases.add(lease)
-            self._ours_ever = True
-            return self._open_or_park(lease, repairing=c in repair)
-        return None
-
-    def _open_or_park(self, lease: Lease, repairing: bool) -> OpenChunk | None:
-        """Load a claimed chunk; if S3 is unavailable, keep the claim (renewed) and retry later."""
-        try:
-            return self._open_claimed(lease, repairing)
-        except StoreUnavailable as exc:
-            logger.warning("chunk %d: could not load it yet (%s); keeping the claim and retrying", lease.chunk, exc)
-            self._unopened.append((lease, repairing))
-            return None
-
-    def _release_claimed(self, lease: Lease) -> None:
-        if self.leases.move(lease, State.RELEASED, "claimer"):
-            self.chunks.release(lease, deadline_s=60)
-
-    def _open_claimed(self, lease: Lease, repairing: bool) -> OpenChunk | None:
-        """Load the work of a chunk we now hold, or let go if someone finished it meanwhile."""
-        c = lease.chunk
-        if repairing:
-            got = self.store.get(self.layout.part_key(c))
-            marker = self.store.head(self.layout.retry_key(c))
-            # The marker is re-read: the listing may be up to marker_scan_every_s old.
-            if got is None or marker is None or not self._marker_wants_repair(marker):
-                self._release_claimed(lease)
-                return None
-            rows = decode_part(got[0]).to_pylist()
-            redo = [{"id": r["id"], "messages": r["messages"], "sample": int(r.get("sample") or 0),
-                     "original_messages": r.get("original_messages")} for r in rows if self._wants_redo(r)]
-            body = self._marker_body(marker) or {}
-            if not redo:
-                self._settle_marker(c, marker, rows, body)
-                self._release_claimed(lease)
-                return None
-            chunk = OpenChunk(c, lease, redo, base_rows=rows, part_etag=got[1], marker_runs=self._marker_runs(body))
-            if not self.leases.move(lease, State.REPAIRING, "claimer"):
-                return None
-            logger.info("repairing chunk %d: %d failed row(s) from an earlier run", c, len(redo))
-            return chunk
-        # The chunk may have been committed between our listing and our claim. The three reads
-        # are independent, so they go out at once.
-        part_f = self._io.submit(self.store.head, self.layout.part_key(c))
-        partial_f = self._io.submit(self.store.get, self.layout.partial_key(c))
-        got = self.store.get(self.layout.input_key(self.plan_id, c))
-        if part_f.result() is not None:
-            self._mark_done(c)
-            self._release_claimed(lease)
-            return None
-        if got is None:
-            raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
-        chunk = OpenChunk(c, lease, decode_inputs(got[0]))
-        partial = partial_f.result()
-        if partial is not None:
-            ids = {unit_key(p) for p in chunk.prompts}
-            for row in decode_part(partial[0]).to_pylist():
-                # Only rows that are results for good: a completion that finished (older code may
-                # have saved an aborted one) or a permanent error; anything else is redone.
-                usable = (row.get("finish_reason") in FINISHED) if not row.get("error_class") \
-                    else not row.get("retryable")
-                if unit_key(row) in ids and usable:
-                    chunk.results[unit_key(row)] = row
-            chunk.todo = [p for p in chunk.prompts if unit_key(p) not in chunk.results]
-            logger.info("chunk %d: %d row(s) saved by a worker that gave up are reused", c, len(chunk.results))
-        if not self.leases.move(lease, State.OPEN, "claimer"):
-            return None
-        return chunk
-
-    def _settle_marker(self, c: int, marker: ObjectInfo, rows: list[dict[str, Any]], body: dict[str, Any]) -> None:
-        """A marker that asks for a repair with nothing to redo (a task killed between a repair's
-        part PUT and its marker update, or rows this run made) is rewritten from the part's rows,
-        or deleted when it has none: otherwise every later task would poll it forever. If-Match: a
-        marker changed meanwhile is left to its writer."""
-        retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
-        permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
-        key = self.layout.retry_key(c)
-        try:
-            if retryable or permanent:
-                runs = [*self._marker_runs(body), self.settings.run_id]
-                new = json.dumps({"runs": runs, "run_id": self.settings.run_id,
-                                  "retryable": retryable, "permanent": permanent}).encode()
-                self.store.put(key, new, if_match=marker.etag, content_type="application/json")
-            else:
-                self.store.delete(key, if_match=marker.etag)
-            logger.info("chunk %d: retry marker had nothing for this run to redo; settled", c)
-        except PreconditionFailed:
-            pass
-        self._repair_cache = None
-
-    def _claim_wanted(self) -> bool:
-        """Claim while the prompts ready to send cover less than the time a claim takes (with margin),
-        and while the rows we hold stay under the cap."""
-        if self._suspect_since is not None or self._stop_requested.is_set():
-            return False
-        ready = len(self.pending) + self._claimed_prompts
-        ahead_s = 3.0 * self._claim_latency_s
-        if not self._in_tail:
-            ahead_s = max(self.settings.claim_ahead_s, ahead_s)
-        want = self._limit() + int(self._rate() * ahead_s)
-        return ready < want and self._held_rows() < self.held_rows_cap
-
-    def _held_rows(self) -> int:
-        with self._open_lock:
-            open_rows = sum(len(ch.prompts) for ch in self.open.values())
-        return open_rows + self._committing_rows + self._claimed_prompts
-
-    def _claimer(self) -> None:
-        """Claims chunks ahead of need on its own thread, so S3 round trips never stall dispatch."""
-        s = self.settings
-        unavailable_since: float | None = None
-        while not self._claimer_stop.is_set():
-            try:
-                chunk = self._claim_step()
-                unavailable_since = None
-            except StoreUnavailable as exc:
-                unavailable_since = unavailable_since or time.monotonic()
-                if time.monotonic() - unavailable_since >= s.store_deadline_s:
-                    self._claim_error = exc
-                    return
-                logger.warning("claimer: S3 unavailable (%s); retrying", exc)
-                self._claimer_wake.wait(min(5.0, max(0.2, s.poll_s)))
-                self._claimer_wake.clear()
-                continue
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
-                self._claim_error = exc
-                return
-            if chunk is False:
-                continue
-            if chunk is None:
-                self._claimer_idle.set()
-                self._claimer_wake.wait(s.poll_s)
-                self._claimer_wake.clear()
-                continue
-            self._claimer_idle.clear()
-            if len(chunk.prompts) < self._full_chunk and chunk.base_rows is None:
-                self._in_tail = True
-            with self._open_lock:
-                self.open[chunk.index] = chunk
-            with self._committing_lock:
-                self._claimed_prompts += len(chunk.prompts_to_send())
-            self._claimed.put(chunk)
-            if self._claimer_stop.is_set():
-                return  # main's give-up drains `_claimed` and releases it
-
-    def _claim_step(self) -> OpenChunk | None | bool:
-        """One claimer step: an OpenChunk, None (nothing to claim now) or False (waited, go on)."""
-        suspect = self._suspect_since
-        if suspect is not None and time.monotonic() - suspect >= self.settings.handoff_after_s:
-            # The server is failing: parked claims go to the fleet with the open chunks (main
-            # hands those back; these are the claimer's own).
-            while self._unopened:
-                lease, _ = self._unopened.popleft()
-                if not lease.gone:
-                    self._release_claimed(lease)
-        while self._unopened:
-            lease, repairing = self._unopened[0]
-            if lease.gone:
-                self._unopened.popleft()
-                continue
-            chunk = self._open_claimed(lease, repairing)  # StoreUnavailable: stays parked
-            self._unopened.popleft()
-            if chunk is not None:
-                return chunk
-        if not self._claim_wanted():
-            self._claimer_wake.wait(0.05)
-            self._claimer_wake.clear()
-            return False
-        started = time.monotonic()
-        chunk = self._try_claim()
-        took = time.monotonic() - started
-        # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
-        self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
-        if chunk is None and self._unopened:
-            return False
-        return chunk
-
-    def _all_done(self) -> bool:
-        """Every chunk committed and nothing left to repair (by this worker's policy)."""
-        done, claims, repair = with_retries(
-            lambda: self._scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s,
-            should_stop=self._stop_requested.is_set,
-        )
-        finished = not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
-        if finished:
-            self._sweep_stale_claims(done, claims)
-        return finished
-
-    def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo]) -> None:
-        """Delete expired claims of committed chunks (a task SIGKILLed after claiming a chunk that
-        a peer had just committed leaves one nobody needs to take over). If-Match the listed ETag,
-        so a claim renewed meanwhile is left alone."""
-        now = self.store.server_time()
-        for c, info in claims.items():
-            if c in done and not self.leases.held(c) and (now - info.last_modified).total_seconds() > self.settings.lease_s:
-                try:
-                    self.store.delete(info.key, if_match=info.etag)
-                    logger.info("deleted the expired claim of committed chunk %d", c)
-                except (PreconditionFailed, StoreUnavailable):
-                    pass
-        # A partial outlives its chunk's commit when the stop path saved it while a commit was in
-        # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
-        try:
-            for obj in self.store.list(self.layout.partials_prefix):
-                c = chunk_of_key(obj.key, self.layout.partials_prefix)
-                if c is not None and c in done and not self.leases.held(c):
-                    self.store.delete(obj.key, if_match=obj.etag)
-        except (PreconditionFailed, StoreUnavailable):
-            pass
 
     # -- renewer callback -----------------------------------------------------------------------
     def _on_lost(self, lease: Lease) -> None:
@@ -840,93 +253,6 @@ class Worker:
         if chunk is not None:
             chunk.dropped = True
         self._count("chunks_lost_to_others")
-
-    # -- committer thread -----------------------------------------------------------------------
-    def _committer(self) -> None:
-        """Commits queued chunks in order. `_committer_stop`: at the normal end, drain the queue and
-        return; when stopping, take no chunk after `_commit_until` (main saves what is left)."""
-        while True:
-            try:
-                chunk = self._commit_q.get(timeout=0.1)
-            except queue.Empty:
-                if self._committer_stop.is_set():
-                    return
-                continue
-            if chunk is None:
-                continue
-            if self._commit_until is not None and time.monotonic() >= self._commit_until:
-                return  # its lease stays QUEUED: main's to save and release
-            try:
-                self._commit(chunk)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main loop
-                self._commit_error = exc
-                return
-            finally:
-                with self._committing_lock:
-                    self._committing -= 1
-                    self._committing_rows -= len(chunk.prompts)
-                    if self._queued.get(chunk.index) is chunk:
-                        del self._queued[chunk.index]
-
-    def _commit_deadline(self) -> float:
-        """Seconds left for the commit's S3 calls: the store deadline, or up to `_commit_until`
-        (one absolute time for all of a stopping commit's calls)."""
-        stop_at = self._commit_until
-        if stop_at is None:
-            return self.settings.store_deadline_s
-        return max(0.1, stop_at - time.monotonic())
-
-    def _commit(self, chunk: OpenChunk) -> None:
-        lease = chunk.lease
-        assert lease is not None
-        if not self.leases.move(lease, State.COMMITTING, "committer"):
-            return
-        if chunk.base_rows is not None:
-            rows = [chunk.results.get(unit_key(r), r) for r in chunk.base_rows]
-        else:
-            rows = [chunk.results[unit_key(p)] for p in chunk.prompts]
-        key = self.layout.part_key(chunk.index)
-        outcome = self.chunks.commit(key, encode_part(rows), nonce=lease.nonce, if_match=chunk.part_etag,
-                                     deadline_s=self._commit_deadline())
-        if outcome is CommitOutcome.REFUSED:
-            self._count("commits_refused")
-            self._count("rows_discarded", len(chunk.results))
-            logger.warning(
-                "chunk %d was already committed by another worker; %d rows of ours discarded",
-                chunk.index, len(chunk.results),
-            )
-        else:
-            self._count("chunks_committed")
-            logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
-            self._write_marker(chunk, rows)
-            if chunk.todo is not None:
-                with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial",
-                             deadline_s=self._commit_deadline())
-        self._mark_done(chunk.index)
-        if self.leases.move(lease, State.COMMITTED, "committer"):
-            self.chunks.release(lease, deadline_s=min(60.0, self._commit_deadline()))
-        # else: stopping, main released the lease meanwhile (and owns that release)
-
-    def _write_marker(self, chunk: OpenChunk, rows: list[dict[str, Any]]) -> None:
-        """Flag a part with error rows so a later run retries them (validation re-creates lost flags).
-
-        A chunk committed for the first time cannot have a marker yet (markers only flag committed
-        parts), so a clean first commit costs no request; a clean repair clears the old flag. The
-        marker lists every run that produced or repaired the rows (each run repairs a chunk once).
-        """
-        retryable = sum(1 for r in rows if r.get("error_class") and r.get("retryable"))
-        permanent = sum(1 for r in rows if r.get("error_class") and not r.get("retryable"))
-        key = self.layout.retry_key(chunk.index)
-        repaired = chunk.base_rows is not None
-        if retryable or permanent:
-            runs = [*chunk.marker_runs, self.settings.run_id] if repaired else [self.settings.run_id]
-            body = json.dumps({"runs": runs, "run_id": self.settings.run_id,
-                               "retryable": retryable, "permanent": permanent})
-            with_retries(lambda: self.store.put(key, body.encode(), content_type="application/json"), what="marker",
-                         deadline_s=self._commit_deadline())
-        elif repaired:
-            with_retries(lambda: self.store.delete(key), what="marker", deadline_s=self._commit_deadline())
-        self._repair_cache = None
 
     # -- main loop ------------------------------------------------------------------------------
     def _limit(self) -> int:
@@ -944,7 +270,7 @@ class Worker:
         span = min(10.0, max(1.0, now - self.stats.started_t))
         return len(self._done_times) / span
 
-    def _fill(self, pool: _RequestPool) -> None:
+    def _fill(self, pool: RequestPool) -> None:
         while True:
             try:
                 chunk = self._claimed.get_nowait()
@@ -991,7 +317,7 @@ class Worker:
             self._queued[chunk.index] = chunk
         self._commit_q.put(chunk)
 
-    def _handle(self, out: _Outcome) -> None:
+    def _handle(self, out: Outcome) -> None:
         self.in_flight -= 1
         chunk = out.chunk
         if chunk.dropped:
@@ -1257,7 +583,7 @@ class Worker:
             s.worker, s.server.name, self.n_chunks, s.concurrency, s.model,
         )
         pool_size = 2 * s.concurrency if s.adaptive_headroom else s.concurrency
-        pool = _RequestPool(pool_size, self._do_request, self.session_factory)
+        pool = RequestPool(pool_size, self._do_request, self.session_factory)
         committer = threading.Thread(target=self._committer, name="committer", daemon=True)
         committer.start()
         claimer = threading.Thread(target=self._claimer, name="claimer", daemon=True)

@@ -1,0 +1,91 @@
+"""What the generate worker's threads pass around: an open chunk, one request's outcome, the
+task's counters, and the exceptions that end a worker. No behaviour here (worker.py has it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_pipeline.serving.sglang import RequestFailure
+from dflash_pipeline.steps.generate.chunks import Lease
+
+MAX_REQUEUES = 3
+
+
+class ServerLost(Exception):
+    """The server stopped answering for good; its work was released. Airflow may retry later."""
+
+
+class ServerConfigError(Exception):
+    """The server refuses us (API key, endpoint, model): a retry cannot fix it."""
+
+
+class ServerBroken(ServerConfigError):
+    """The server answers (nearly) every request with a permanent error while the fleet does not."""
+
+
+class TaskStopped(Exception):
+    """Stopped from outside (SIGTERM): finished rows were saved and claims released."""
+
+
+@dataclass
+class OpenChunk:
+    index: int
+    lease: Lease | None
+    prompts: list[dict[str, Any]]
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Set (by main or the renewer) once the chunk is no longer ours to work on; request threads read it.
+    dropped: bool = False
+    # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
+    base_rows: list[dict[str, Any]] | None = None
+    part_etag: str | None = None
+    marker_runs: list[str] = field(default_factory=list)
+    # Prompts still to send (all of them unless rows were reused from a partial).
+    todo: list[dict[str, Any]] | None = None
+
+    def prompts_to_send(self) -> list[dict[str, Any]]:
+        return self.prompts if self.todo is None else self.todo
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == len(self.prompts)
+
+    @property
+    def lost(self) -> bool:
+        return self.dropped
+
+
+@dataclass
+class Outcome:
+    chunk: OpenChunk
+    prompt: dict[str, Any]
+    row: dict[str, Any] | None = None
+    failure: RequestFailure | None = None
+    first_failure_t: float | None = None
+    last_failure_t: float | None = None
+    done_t: float = 0.0
+    attempts: int = 0
+
+
+@dataclass
+class WorkerStats:
+    completions: int = 0
+    errors: int = 0
+    permanent_errors: int = 0
+    errors_by_class: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0
+    chunks_committed: int = 0
+    chunks_taken_over: int = 0
+    chunks_lost_to_others: int = 0
+    commits_refused: int = 0
+    rows_discarded: int = 0
+    requests_sent: int = 0
+    requests_requeued: int = 0
+    handoffs: int = 0
+    started_t: float = field(default_factory=time.monotonic)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["elapsed_s"] = round(time.monotonic() - d.pop("started_t"), 3)
+        return d
