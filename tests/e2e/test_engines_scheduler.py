@@ -1,4 +1,5 @@
-"""dflash_generate through a real Airflow scheduler on a mixed fleet: 1 SGLang + 2 vLLM simulators.
+"""dflash_generate through a real Airflow scheduler on a mixed fleet (1 SGLang + 2 vLLM simulators)
+and on an all-vLLM fleet.
 
 Every row exactly once, the thinking split on both engines, each server's engine in the manifest,
 and a report of the same shape as an all-SGLang run's.
@@ -56,7 +57,7 @@ def _run(stack: AirflowStack, s3: Any, bucket: str, fleet: SimFleet, tag: str, n
     return _get(s3, bucket, f"ds/{tag}/report.json")
 
 
-def test_mixed_fleet_through_the_scheduler(airflow_stack: AirflowStack, s3_client, bucket) -> None:
+def test_mixed_and_all_vllm_fleets_through_the_scheduler(airflow_stack: AirflowStack, s3_client, bucket) -> None:
     n = 360
     engines = ["sglang", "vllm", "vllm"]
     with SimFleet([SimConfig(engine=e, **SIM) for e in engines]).start() as mixed:
@@ -74,10 +75,19 @@ def test_mixed_fleet_through_the_scheduler(airflow_stack: AirflowStack, s3_clien
     manifest = _get(s3_client, bucket, "ds/mixed/manifest.json")
     assert [s["engine"] for s in manifest["servers"]] == engines
 
+    with SimFleet([SimConfig(engine="vllm", **SIM) for _ in engines]).start() as vllm_only:
+        report_vllm = _run(airflow_stack, s3_client, bucket, vllm_only, "vllm", n)
+        assert sum(s["generation_requests"] for s in vllm_only.stats()) == n
+    assert (report_vllm["completions"], report_vllm["missing"], report_vllm["duplicates"]) == (n, 0, 0)
+    rows = _rows(s3_client, bucket, "ds/vllm")
+    assert sorted(r["id"] for r in rows) == sorted(f"vllm-{i}" for i in range(n))
+    assert all(r["reasoning"] and "<think>" not in (r["content"] or "") for r in rows), "thinking split on vLLM"
+    assert {s["engine"] for s in _get(s3_client, bucket, "ds/vllm/manifest.json")["servers"]} == {"vllm"}
+
     with SimFleet([SimConfig(**SIM) for _ in engines]).start() as sglang_only:
         baseline = _run(airflow_stack, s3_client, bucket, sglang_only, "sglang", n)
     names = {"per_server": None}
-    shape_mixed = _shape({k: v for k, v in report.items() if k not in names})
     shape_base = _shape({k: v for k, v in baseline.items() if k not in names})
-    assert shape_mixed == shape_base
-    assert _shape(next(iter(report["per_server"].values()))) == _shape(next(iter(baseline["per_server"].values())))
+    for other in (report, report_vllm):
+        assert _shape({k: v for k, v in other.items() if k not in names}) == shape_base
+        assert _shape(next(iter(other["per_server"].values()))) == _shape(next(iter(baseline["per_server"].values())))
