@@ -170,3 +170,21 @@ def test_partials_reuse_only_rows_that_are_results_for_good(s3_client: Any, buck
     assert rows[transient["id"]]["error_class"] is None
     assert fleet.servers[0].stats()["completed"] - before == 40 - 2
     assert list(run.store.list(run.layout.partials_prefix)) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_claim_left_between_commit_and_release_is_swept_by_the_next_try(s3_client: Any, bucket: str,
+                                                                            sim_fleet: Any) -> None:
+    """A try SIGKILLed after committing a chunk and before releasing its claim leaves a claim of a
+    done chunk: the next try of the same task deletes it at once (its owner is read from S3);
+    a live peer's claim is left alone."""
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=60, save_every=20)
+    assert isinstance(run.run_all([run.worker(0)])[0], dict)
+    w = run.worker(0, try_number=2)
+    ours = claim_body(w.settings.owner, "w0000", "s", w.settings.run_id, 1)("n1")
+    peers = claim_body("other-run#w0001", "w0001", "s", "other-run", 1)("n2")
+    run.store.put(run.layout.claim_key(0), ours, content_type="application/json", metadata={"nonce": "n1"})
+    run.store.put(run.layout.claim_key(1), peers, content_type="application/json", metadata={"nonce": "n2"})
+    assert w._all_done()
+    assert run.claims_left() == [run.layout.claim_key(1)], "ours swept at once, the peer's (not expired) kept"

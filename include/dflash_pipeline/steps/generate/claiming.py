@@ -390,17 +390,27 @@ class Claiming:
         return finished
 
     def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo]) -> None:
-        """Delete expired claims of committed chunks (a task SIGKILLed after claiming a chunk that
-        a peer had just committed leaves one nobody needs to take over). If-Match the listed ETag,
-        so a claim renewed meanwhile is left alone."""
+        """Delete claims of committed chunks nobody needs: expired ones (a task SIGKILLed after
+        claiming a chunk a peer had just committed), and at once those an earlier try of this very
+        task left (SIGKILLed between its commit and its release; the claim document names the
+        owner, so "is it ours?" is read from S3). If-Match the listed ETag, so a claim renewed or
+        retaken meanwhile is left alone."""
         now = self.store.server_time()
         for c, info in claims.items():
-            if c in done and not self.leases.held(c) and (now - info.last_modified).total_seconds() > self.settings.lease_s:
-                try:
-                    self.store.delete(info.key, if_match=info.etag)
-                    logger.info("deleted the expired claim of committed chunk %d", c)
-                except (PreconditionFailed, StoreUnavailable):
-                    pass
+            if c not in done or self.leases.held(c):
+                continue
+            expired = (now - info.last_modified).total_seconds() > self.settings.lease_s
+            try:
+                if not expired:
+                    if self.settings.try_number <= 1:
+                        continue
+                    got = self.store.get(info.key)
+                    if got is None or got[1] != info.etag or claim_doc(got[0]).get("owner") != self.settings.owner:
+                        continue
+                self.store.delete(info.key, if_match=info.etag)
+                logger.info("deleted the %s claim of committed chunk %d", "expired" if expired else "earlier try's", c)
+            except (PreconditionFailed, StoreUnavailable):
+                pass
         # A partial outlives its chunk's commit when the stop path saved it while a commit was in
         # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
         try:
