@@ -71,6 +71,12 @@ class ServerWatch:
         self._probe_result: tuple[bool, int | None] = (True, None)
         self._strikes = 0
         self._strike_probe_t = -1e18
+        # Shortfall rule: the tickets of ours that were open when the last probe was sent (and
+        # begun at least check_every_s before it) with the count that probe reported; the
+        # shortfalls of the last two evaluated probes; how many of ours may still be cut for them.
+        self._pending: tuple[frozenset[int], int | None] | None = None
+        self._shortfalls = (0, 0)
+        self._lost = 0
 
     @property
     def check_every_s(self) -> float:
@@ -108,12 +114,17 @@ class ServerWatch:
         if now - self._probe_t < self.check_every_s or not self._probe_lock.acquire(blocking=False):
             return self._probe_result
         try:
+            with self._lock:
+                settled = now - self.check_every_s
+                ours = frozenset(t for t, begun in self._open.items() if begun <= settled)
             try:
                 held = self._probe() if self._probe else None
                 result = (held is not None, held)
             except Exception:  # noqa: BLE001 - a failed probe is the signal
                 result = (False, None)
-            self._probe_result, self._probe_t = result, self._clock()
+            with self._lock:
+                self._probe_result, self._probe_t = result, self._clock()
+                self._count_shortfall(ours, held)
             return result
         finally:
             self._probe_lock.release()
@@ -132,6 +143,42 @@ class ServerWatch:
             lost = not answered or (held == 0 and bool(self._open))
             self._strikes = self._strikes + 1 if lost else 0
             return self._strikes >= 2
+
+    def _count_shortfall(self, ours: frozenset[int], held: int | None) -> None:
+        """Evaluate the previous probe now that one more probe interval has passed (under _lock).
+
+        M is the previous probe's snapshot of our settled requests that are STILL open: a request
+        whose answer was on its way back at that probe has arrived by now and is not counted, and
+        one begun less than check_every_s before it (perhaps still being tokenized) was left out of
+        the snapshot. Two consecutive probes short (N < M) set how many of ours may be cut: the
+        smaller of the two shortfalls."""
+        short = 0
+        if self._pending is not None:
+            tickets, was_held = self._pending
+            if was_held is not None:
+                short = max(0, sum(1 for t in tickets if t in self._open) - was_held)
+        self._shortfalls = (self._shortfalls[1], short)
+        self._lost = min(self._shortfalls)
+        self._pending = (ours, held)
+
+    def lost(self, ticket: int | None) -> tuple[int, int] | None:
+        """(shortfall, rank) when `ticket` is among the oldest `shortfall` of our requests past
+        request_timeout_s (so the server holds fewer of ours than are outstanding, and this one
+        is old enough to be one it lost); None otherwise. A True answer uses up one of the
+        shortfall, so concurrent waiters never cut more requests than the server is missing."""
+        if self._lost <= 0 or ticket is None:
+            return None
+        with self._lock:
+            if self._lost <= 0 or ticket not in self._open:
+                return None
+            horizon = self._clock() - self.policy.request_timeout_s
+            old = sorted((begun, t) for t, begun in self._open.items() if begun <= horizon)
+            oldest = [t for _, t in old[:self._lost]]
+            if ticket not in oldest:
+                return None
+            short = self._lost
+            self._lost -= 1
+            return short, oldest.index(ticket) + 1
 
     def waiter(self, max_tokens: int) -> RequestWait:
         return RequestWait(self, max_tokens)
@@ -172,6 +219,12 @@ class RequestWait:
             return True
         if self.watch.stuck():
             self.why = f"the server is not generating it (checked after {elapsed:.0f}s)"
+            return False
+        lost = self.watch.lost(self.ticket)
+        if lost is not None:
+            self.why = (f"the server holds {lost[0]} fewer of our requests than are outstanding, on two "
+                        f"checks in a row; this is one of the oldest past request_timeout_s "
+                        f"(#{lost[1]}, checked after {elapsed:.0f}s)")
             return False
         budget = self.watch.budget_s(self.max_tokens)
         if elapsed >= budget:
