@@ -9,18 +9,41 @@ non-streaming request gives no sign of progress, so the decision uses what we ca
    request may take `max_tokens / v_slow`, where `v_slow` is the 10th percentile of the recent
    speeds times `speed_margin` (0.5: half as fast as the slowest tenth), and never less than
    `request_timeout_s`. Before any request completed, `v_slow` is `min_decode_tok_s`.
-2. **Liveness after `request_timeout_s`.** Past `request_timeout_s`, the waiting request thread
-   checks the server (at most every `check_every_s`, shared by all threads of the server): if it
-   does not answer its load endpoint (SGLang `/get_load`, vLLM `/metrics`) or reports holding no
-   request at all while ours are outstanding, twice in a row, the request is not being generated
-   and is cut at once. Otherwise it is plausibly generating and waits up to its budget.
+2. **Liveness after `request_timeout_s`.** From `request_timeout_s / 2` on, waiting request
+   threads probe the server's load endpoint (at most every `check_every_s`, shared by all threads
+   of the server). Two rules read the probes; each needs two probes in a row:
+   - **Stuck**: the server does not answer the load endpoint, or holds no request at all while
+     ours are outstanding: every request of ours past `request_timeout_s` is cut at once.
+   - **Shortfall** (a busy server): the probe says the server holds N requests and M of ours are
+     outstanding on it; N < M means at least M - N of ours are not on the server (a lost or hung
+     request). Then the OLDEST M - N of our requests already past `request_timeout_s` are cut
+     (the smaller shortfall of the two probes; never a request within `request_timeout_s`).
+     M counts only requests that were open at the probe, begun at least `check_every_s` before it
+     (so they left the server's tokenizer), and are still open one probe interval later (so an
+     answer that was on its way back at the probe is not counted as lost): requests passing
+     through the server's front end are not taken for losses. Another client on the same server
+     only raises N, so sharing errs on the side of waiting.
+   Otherwise a request is plausibly generating and waits up to its budget.
+
+What N is: SGLang `/get_load` answers one entry per DP rank whose `num_reqs` is
+running + waiting of that rank's scheduler (`num_waiting_reqs` is the waiting part, already
+included): we sum `num_reqs` over ranks. vLLM `/metrics` has the gauges
+`vllm:num_requests_running` and `vllm:num_requests_waiting` per engine (set each engine step from
+the scheduler's running and waiting queues, `SchedulerStats` in `v1/core/sched/scheduler.py`):
+we sum both over engines. SGLang counts from `Scheduler.get_load` (running batch + waiting queue).
+Neither counts a request still in the HTTP front end (tokenizing) or one whose answer is being
+detokenized and sent; M leaves those out as above.
 
 A hung request is therefore caught within about `request_timeout_s` (+ two checks) when the
-server is stuck, gone, or holds none of our requests; a request the server lost while it keeps
-generating others is indistinguishable, without streaming, from a long generation, and is cut at
-its budget. Streaming with an idle timeout would tell them apart, but parsing one JSON event per
-token costs far more client CPU than the whole non-streaming request. The caller (the generate
-worker) retries a timed-out request at most once; a second timeout is an error row.
+server is stuck, gone, holds none of our requests, or, busy, holds fewer of ours than are
+outstanding. Limits: the rule cannot tell which request was lost, so when the lost one is younger
+than a healthy request already past `request_timeout_s`, the older healthy one is cut instead (it
+is retried once; the lost one is then cut when it is the oldest left short). A request stuck
+INSIDE the server while still counted in its load (a wedged slot) is indistinguishable, without
+streaming, from a long generation, and is cut only at its budget. Streaming with an idle timeout
+would tell them apart, but parsing one JSON event per token costs far more client CPU than the
+whole non-streaming request. The caller (the generate worker) retries a timed-out request at most
+once; a second timeout is an error row.
 
 The waiting costs nothing for an answer that comes within `request_timeout_s / 2` (a plain
 blocking read, as without deadlines); after that, one poll() per `check_every_s` on the request's
