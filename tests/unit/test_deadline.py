@@ -212,3 +212,17 @@ def test_short_requests_passing_through_make_no_shortfall() -> None:
         srv.watch.stuck()
         fresh.__exit__(None, None, None)
     assert all(w(srv.now) for w in waits)
+
+
+def test_a_cut_request_counts_as_closed_at_once() -> None:
+    """Between the cut and the waiter's exit, a probe must not count the cut request as still
+    missing (that would cut a second, healthy one)."""
+    srv = _FakeServer(timeout_s=8.0)
+    waits = _open(srv, 3)
+    srv.held = 2
+    for _ in range(10):
+        srv.step()
+    assert not waits[0](srv.now)  # cut; its __exit__ has not run yet
+    srv.step()  # a probe evaluated in that window
+    waits[0].__exit__(None, None, None)
+    assert all(w(srv.now) for w in waits[1:])

@@ -201,6 +201,9 @@ class ServerWatch:
                 return None
             short = self._lost
             self._lost -= 1
+            # Closed now, not when the caller's exception reaches RequestWait.__exit__: a probe
+            # evaluated in between would count it as still missing and cut one more.
+            del self._open[ticket]
             return short, oldest.index(ticket) + 1
 
     def waiter(self, max_tokens: int) -> RequestWait:
