@@ -106,3 +106,123 @@ def test_generic_server_without_load_endpoint_is_never_called_stuck() -> None:
     watch = ServerWatch(DeadlinePolicy(request_timeout_s=1), None)
     with watch.waiter(100):
         assert not watch.stuck()
+
+
+class _FakeServer:
+    """A clock and a load endpoint under the test's control (the shortfall rule's inputs)."""
+
+    def __init__(self, timeout_s: float = 8.0) -> None:
+        self.now = 0.0
+        self.held: int | None = 0
+        self.probes = 0
+        self.watch = ServerWatch(DeadlinePolicy(request_timeout_s=timeout_s), self._probe, clock=lambda: self.now)
+
+    def _probe(self) -> int | None:
+        self.probes += 1
+        return self.held
+
+    def step(self) -> None:
+        """One probe interval later, a waiter's poll (which probes)."""
+        self.now += self.watch.check_every_s
+        self.watch.stuck()
+
+
+def _open(server: _FakeServer, count: int) -> list[Any]:
+    waits = []
+    for _ in range(count):
+        wait = server.watch.waiter(100)
+        waits.append(wait.__enter__())
+        server.now += 0.01
+    return waits
+
+
+def test_shortfall_cuts_the_oldest_request_past_request_timeout() -> None:
+    srv = _FakeServer(timeout_s=8.0)  # check_every_s = 1
+    waits = _open(srv, 5)  # waits[0] is the oldest
+    srv.held = 4  # the server holds 4 of our 5
+    for _ in range(10):
+        srv.step()
+    elapsed = [srv.now - 0.01 * i for i in range(5)]
+    assert all(e >= 8.0 for e in elapsed)
+    assert [w(e) for w, e in zip(waits[1:], elapsed[1:])] == [True] * 4  # younger ones: never
+    assert not waits[0](elapsed[0]) and "fewer of our requests" in waits[0].why
+    waits[0].__exit__(None, None, None)
+    assert all(w(e) for w, e in zip(waits[1:], elapsed[1:]))  # the shortfall is used up
+
+
+def test_shortfall_never_cuts_within_request_timeout() -> None:
+    srv = _FakeServer(timeout_s=8.0)
+    waits = _open(srv, 3)
+    srv.held = 0 + 2  # one of ours missing, but nobody is past request_timeout_s yet
+    for _ in range(6):
+        srv.step()
+    assert srv.now < 8.0
+    assert all(w(srv.now - 0.5) for w in waits)
+    assert srv.watch.lost(waits[0].ticket) is None  # too young to be called lost
+    for _ in range(3):
+        srv.step()
+    assert not waits[0](srv.now)  # once past it, the oldest is cut
+
+
+def test_shortfall_needs_two_consecutive_probes() -> None:
+    srv = _FakeServer(timeout_s=8.0)
+    waits = _open(srv, 4)
+    srv.held = 4
+    for _ in range(10):
+        srv.step()
+    srv.held = 3  # one probe short ...
+    srv.step()
+    srv.step()  # ... evaluated one interval later: one strike
+    srv.held = 4
+    srv.step()
+    srv.step()
+    assert all(w(srv.now) for w in waits)
+    srv.held = 3  # short on two probes in a row
+    for _ in range(3):
+        srv.step()
+    assert not waits[0](srv.now) and all(w(srv.now) for w in waits[1:])
+
+
+def test_server_holding_as_many_or_more_never_cuts() -> None:
+    """N >= M (another client shares the server, or ours are all there): nothing is cut."""
+    for held in (3, 4, 50):
+        srv = _FakeServer(timeout_s=8.0)
+        waits = _open(srv, 3)
+        srv.held = held
+        for _ in range(12):
+            srv.step()
+        assert all(w(srv.now) for w in waits)
+        assert not waits[0](srv.watch.budget_s(100)) and "tokens/s" in waits[0].why  # only the budget
+
+
+def test_short_requests_passing_through_make_no_shortfall() -> None:
+    """Requests the server does not count at a probe although they are open (still being
+    tokenized, or their answer on its way back) are left out of M: a steady stream of them
+    makes no shortfall."""
+    srv = _FakeServer(timeout_s=8.0)
+    waits = _open(srv, 2)
+    srv.held = 2
+    for _ in range(10):
+        srv.step()
+    for _ in range(6):  # every interval a new request of ours, not yet counted by the server
+        fresh = srv.watch.waiter(100).__enter__()
+        srv.now += srv.watch.check_every_s * 0.5
+        srv.watch.stuck()
+        srv.now += srv.watch.check_every_s * 0.5
+        srv.watch.stuck()
+        fresh.__exit__(None, None, None)
+    assert all(w(srv.now) for w in waits)
+
+
+def test_a_cut_request_counts_as_closed_at_once() -> None:
+    """Between the cut and the waiter's exit, a probe must not count the cut request as still
+    missing (that would cut a second, healthy one)."""
+    srv = _FakeServer(timeout_s=8.0)
+    waits = _open(srv, 3)
+    srv.held = 2
+    for _ in range(10):
+        srv.step()
+    assert not waits[0](srv.now)  # cut; its __exit__ has not run yet
+    srv.step()  # a probe evaluated in that window
+    waits[0].__exit__(None, None, None)
+    assert all(w(srv.now) for w in waits[1:])

@@ -9,18 +9,41 @@ non-streaming request gives no sign of progress, so the decision uses what we ca
    request may take `max_tokens / v_slow`, where `v_slow` is the 10th percentile of the recent
    speeds times `speed_margin` (0.5: half as fast as the slowest tenth), and never less than
    `request_timeout_s`. Before any request completed, `v_slow` is `min_decode_tok_s`.
-2. **Liveness after `request_timeout_s`.** Past `request_timeout_s`, the waiting request thread
-   checks the server (at most every `check_every_s`, shared by all threads of the server): if it
-   does not answer its load endpoint (SGLang `/get_load`, vLLM `/metrics`) or reports holding no
-   request at all while ours are outstanding, twice in a row, the request is not being generated
-   and is cut at once. Otherwise it is plausibly generating and waits up to its budget.
+2. **Liveness after `request_timeout_s`.** From `request_timeout_s / 2` on, waiting request
+   threads probe the server's load endpoint (at most every `check_every_s`, shared by all threads
+   of the server). Two rules read the probes; each needs two probes in a row:
+   - **Stuck**: the server does not answer the load endpoint, or holds no request at all while
+     ours are outstanding: every request of ours past `request_timeout_s` is cut at once.
+   - **Shortfall** (a busy server): the probe says the server holds N requests and M of ours are
+     outstanding on it; N < M means at least M - N of ours are not on the server (a lost or hung
+     request). Then the OLDEST M - N of our requests already past `request_timeout_s` are cut
+     (the smaller shortfall of the two probes; never a request within `request_timeout_s`).
+     M counts only requests that were open at the probe, begun at least `check_every_s` before it
+     (so they left the server's tokenizer), and are still open one probe interval later (so an
+     answer that was on its way back at the probe is not counted as lost): requests passing
+     through the server's front end are not taken for losses. Another client on the same server
+     only raises N, so sharing errs on the side of waiting.
+   Otherwise a request is plausibly generating and waits up to its budget.
+
+What N is: SGLang `/get_load` answers one entry per DP rank whose `num_reqs` is
+running + waiting of that rank's scheduler (`num_waiting_reqs` is the waiting part, already
+included): we sum `num_reqs` over ranks. vLLM `/metrics` has the gauges
+`vllm:num_requests_running` and `vllm:num_requests_waiting` per engine (set each engine step from
+the scheduler's running and waiting queues, `SchedulerStats` in `v1/core/sched/scheduler.py`):
+we sum both over engines. SGLang counts from `Scheduler.get_load` (running batch + waiting queue).
+Neither counts a request still in the HTTP front end (tokenizing) or one whose answer is being
+detokenized and sent; M leaves those out as above.
 
 A hung request is therefore caught within about `request_timeout_s` (+ two checks) when the
-server is stuck, gone, or holds none of our requests; a request the server lost while it keeps
-generating others is indistinguishable, without streaming, from a long generation, and is cut at
-its budget. Streaming with an idle timeout would tell them apart, but parsing one JSON event per
-token costs far more client CPU than the whole non-streaming request. The caller (the generate
-worker) retries a timed-out request at most once; a second timeout is an error row.
+server is stuck, gone, holds none of our requests, or, busy, holds fewer of ours than are
+outstanding. Limits: the rule cannot tell which request was lost, so when the lost one is younger
+than a healthy request already past `request_timeout_s`, the older healthy one is cut instead (it
+is retried once; the lost one is then cut when it is the oldest left short). A request stuck
+INSIDE the server while still counted in its load (a wedged slot) is indistinguishable, without
+streaming, from a long generation, and is cut only at its budget. Streaming with an idle timeout
+would tell them apart, but parsing one JSON event per token costs far more client CPU than the
+whole non-streaming request. The caller (the generate worker) retries a timed-out request at most
+once; a second timeout is an error row.
 
 The waiting costs nothing for an answer that comes within `request_timeout_s / 2` (a plain
 blocking read, as without deadlines); after that, one poll() per `check_every_s` on the request's
@@ -71,6 +94,12 @@ class ServerWatch:
         self._probe_result: tuple[bool, int | None] = (True, None)
         self._strikes = 0
         self._strike_probe_t = -1e18
+        # Shortfall rule: the tickets of ours that were open when the last probe was sent (and
+        # begun at least check_every_s before it) with the count that probe reported; the
+        # shortfalls of the last two evaluated probes; how many of ours may still be cut for them.
+        self._pending: tuple[frozenset[int], int | None] | None = None
+        self._shortfalls = (0, 0)
+        self._lost = 0
 
     @property
     def check_every_s(self) -> float:
@@ -108,12 +137,17 @@ class ServerWatch:
         if now - self._probe_t < self.check_every_s or not self._probe_lock.acquire(blocking=False):
             return self._probe_result
         try:
+            with self._lock:
+                settled = now - self.check_every_s
+                ours = frozenset(t for t, begun in self._open.items() if begun <= settled)
             try:
                 held = self._probe() if self._probe else None
                 result = (held is not None, held)
             except Exception:  # noqa: BLE001 - a failed probe is the signal
                 result = (False, None)
-            self._probe_result, self._probe_t = result, self._clock()
+            with self._lock:
+                self._probe_result, self._probe_t = result, self._clock()
+                self._count_shortfall(ours, held)
             return result
         finally:
             self._probe_lock.release()
@@ -132,6 +166,45 @@ class ServerWatch:
             lost = not answered or (held == 0 and bool(self._open))
             self._strikes = self._strikes + 1 if lost else 0
             return self._strikes >= 2
+
+    def _count_shortfall(self, ours: frozenset[int], held: int | None) -> None:
+        """Evaluate the previous probe now that one more probe interval has passed (under _lock).
+
+        M is the previous probe's snapshot of our settled requests that are STILL open: a request
+        whose answer was on its way back at that probe has arrived by now and is not counted, and
+        one begun less than check_every_s before it (perhaps still being tokenized) was left out of
+        the snapshot. Two consecutive probes short (N < M) set how many of ours may be cut: the
+        smaller of the two shortfalls."""
+        short = 0
+        if self._pending is not None:
+            tickets, was_held = self._pending
+            if was_held is not None:
+                short = max(0, sum(1 for t in tickets if t in self._open) - was_held)
+        self._shortfalls = (self._shortfalls[1], short)
+        self._lost = min(self._shortfalls)
+        self._pending = (ours, held)
+
+    def lost(self, ticket: int | None) -> tuple[int, int] | None:
+        """(shortfall, rank) when `ticket` is among the oldest `shortfall` of our requests past
+        request_timeout_s (so the server holds fewer of ours than are outstanding, and this one
+        is old enough to be one it lost); None otherwise. A True answer uses up one of the
+        shortfall, so concurrent waiters never cut more requests than the server is missing."""
+        if self._lost <= 0 or ticket is None:
+            return None
+        with self._lock:
+            if self._lost <= 0 or ticket not in self._open:
+                return None
+            horizon = self._clock() - self.policy.request_timeout_s
+            old = sorted((begun, t) for t, begun in self._open.items() if begun <= horizon)
+            oldest = [t for _, t in old[:self._lost]]
+            if ticket not in oldest:
+                return None
+            short = self._lost
+            self._lost -= 1
+            # Closed now, not when the caller's exception reaches RequestWait.__exit__: a probe
+            # evaluated in between would count it as still missing and cut one more.
+            del self._open[ticket]
+            return short, oldest.index(ticket) + 1
 
     def waiter(self, max_tokens: int) -> RequestWait:
         return RequestWait(self, max_tokens)
@@ -172,6 +245,12 @@ class RequestWait:
             return True
         if self.watch.stuck():
             self.why = f"the server is not generating it (checked after {elapsed:.0f}s)"
+            return False
+        lost = self.watch.lost(self.ticket)
+        if lost is not None:
+            self.why = (f"the server holds {lost[0]} fewer of our requests than are outstanding, on two "
+                        f"checks in a row; this is one of the oldest past request_timeout_s "
+                        f"(#{lost[1]}, checked after {elapsed:.0f}s)")
             return False
         budget = self.watch.budget_s(self.max_tokens)
         if elapsed >= budget:
