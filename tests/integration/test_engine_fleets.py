@@ -134,3 +134,16 @@ def test_a_timeout_is_retried_once_then_an_error_row(s3_client, bucket) -> None:
 
     assert 8 <= stats[0]["generation_requests"] <= 2 * (1 + MAX_REQUEUES) * 4
     assert stats[0]["generation_requests"] % 2 == 0
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_server_whose_answers_carry_no_thinking_is_refused(s3_client, bucket, engine) -> None:
+    """With enable_thinking, a server whose proof answer has neither a reasoning field nor <think>
+    in its content (a model or template that ignores the flag) is refused before generation, named."""
+    with SimFleet([SimConfig(engine=engine, **FAST), SimConfig(engine=engine, thinks=False, **FAST)]).start() as fleet:
+        with pytest.raises(ConfigError) as exc:
+            _run(s3_client, bucket, fleet, f"nothink-{engine}", 10)
+        assert sum(s["generation_requests"] for s in fleet.stats()) == 0
+    text = str(exc.value)
+    assert f"server {fleet.urls[1]}" in text and f"server {fleet.urls[0]}" not in text
+    assert "thinking cannot be split" in text

@@ -148,6 +148,9 @@ class SimConfig:
     track_history: bool = False
     """Audit history turns: count those that are / are not this server's own earlier answers
     (stats()["conversation"])."""
+    thinks: bool = True
+    """False: a model (or chat template) that ignores enable_thinking and never thinks, so its
+    answers carry no reasoning at all and thinking cannot be split from them."""
     engine: str = "sglang"
     """Wire flavour: "sglang", or "vllm" (vLLM's OpenAI server, see vllm_wire.py)."""
 
@@ -879,7 +882,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if not isinstance(kwargs, dict):
             self._bad_request("chat_template_kwargs must be an object")
             return None
-        enable_thinking = bool(kwargs.get("enable_thinking", True))
+        enable_thinking = bool(kwargs.get("enable_thinking", True)) and self.server.sim.config.thinks
         seed = obj.get("seed")
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
