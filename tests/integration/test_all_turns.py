@@ -197,7 +197,8 @@ layout = DatasetLayout.from_uri(a["output_uri"])
 store = Store(s3_client(a["endpoint"]), layout.bucket)
 manifest = json.loads(store.get(layout.manifest_key)[0])
 s = WorkerSettings(run_id=a["run_id"], worker="w0000", server=ServerSpec(a["url"], a["url"]), model=a["model"],
-                   sampling=Sampling(**a["sampling"]), concurrency=a["concurrency"], lease_s=a["lease_s"])
+                   sampling=Sampling(**a["sampling"]), concurrency=a["concurrency"], lease_s=a["lease_s"],
+                   checkpoint_every_s=a.get("checkpoint_every_s", 60.0))
 Worker(store, layout, manifest, s).run()
 """
 
@@ -212,7 +213,7 @@ def test_killed_worker_process_then_resume_one_row_per_id_and_sample(
     s = run.settings(0)
     arg = {"endpoint": moto_server.endpoint_url, "output_uri": run.cfg.output_uri, "run_id": RUN_ID,
            "url": s.server.base_url, "model": s.model, "sampling": s.sampling.__dict__,
-           "concurrency": s.concurrency, "lease_s": 2.0}
+           "concurrency": s.concurrency, "lease_s": 2.0, "checkpoint_every_s": 0.3}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(arg)], cwd=REPO,
                              env={**os.environ, **moto_server.env()}, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
@@ -227,10 +228,19 @@ def test_killed_worker_process_then_resume_one_row_per_id_and_sample(
         if child.poll() is None:
             child.kill()
     assert run.store.list(run.layout.claims_prefix), "the killed worker left no claim: nothing was tested"
+    # What the killed task left: committed parts and the checkpoints (partials) of its open chunks.
+    committed = sum(len(decode_part(run.store.get(o.key)[0])) for o in run.store.list(run.layout.completions_prefix))
+    saved = {(r["id"], r["sample"]) for o in run.store.list(run.layout.partials_prefix)
+             for r in decode_part(run.store.get(o.key)[0]).to_pylist()}
+    assert saved, "no checkpoint was saved before the SIGKILL: nothing was tested"
     result = run.worker(1, lease_s=2.0).run()
     assert result["chunks_taken_over"] >= 1
     _, rows = run.check()
     _assert_replayed_on_policy(fleet.urls, rows)
+    # Every checkpointed conversation was reused, not regenerated: the rows of the killed task's
+    # server are exactly its committed rows plus its checkpoints.
+    assert sum(1 for r in rows if r["server"] == fleet.urls[0]) == committed + len(saved)
+    assert list(run.store.list(run.layout.partials_prefix)) == []
 
 
 def _catch(fn: Any) -> Any:
