@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import requests
 
+from test_dispatch import RUN_ID
+from test_dispatch import Run as DispatchRun
+
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_part
@@ -32,7 +35,6 @@ from dflash_pipeline.steps.preflight import run_preflight
 from dflash_pipeline.steps.validate import run_validation
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_ID = "manual__2026-02-01T00:00:00+00:00"
 SIM = {"token_time_s": 0.001, "length_scale": 0.02, "max_running_requests": 8, "track_history": True}
 
 
@@ -48,7 +50,9 @@ def _conversations(n: int) -> bytes:
     return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
 
 
-class Run:
+class Run(DispatchRun):
+    """test_dispatch's Run (settings, workers, run_all) over multi-turn rows in all_turns mode."""
+
     def __init__(self, s3: Any, bucket: str, urls: list[str], n: int, save_every: int, samples: int) -> None:
         s3.put_object(Bucket=bucket, Key="in/conv.jsonl", Body=_conversations(n))
         self.s3, self.bucket, self.n, self.samples = s3, bucket, n, samples
@@ -62,34 +66,6 @@ class Run:
         self.layout = DatasetLayout.from_uri(self.cfg.output_uri)
         self.store = Store(s3, bucket)
         self.manifest = json.loads(self.store.get(self.layout.manifest_key)[0])
-
-    def settings(self, index: int, **overrides: Any) -> WorkerSettings:
-        info = self.infos[index]
-        values: dict[str, Any] = {"run_id": RUN_ID, "worker": f"w{index:04d}", "server": self.specs[index],
-                                  "model": info["model"], "sampling": self.cfg.sampling,
-                                  "concurrency": int(info["concurrency"]), "poll_s": 0.2}
-        values.update(overrides)
-        return WorkerSettings(**values)
-
-    def worker(self, index: int, **overrides: Any) -> Worker:
-        return Worker(Store(self.s3, self.bucket), self.layout, self.manifest, self.settings(index, **overrides))
-
-    def run_all(self, workers: list[Worker]) -> list[Any]:
-        out: list[Any] = [None] * len(workers)
-
-        def go(i: int) -> None:
-            try:
-                out[i] = workers[i].run()
-            except BaseException as exc:  # noqa: BLE001 - asserted by the tests
-                out[i] = exc
-
-        threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
-        assert not any(t.is_alive() for t in threads), "a worker did not finish"
-        return out
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
