@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 import requests
 
+from test_dispatch import RUN_ID
+from test_dispatch import Run as DispatchRun
+
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_part
@@ -32,7 +35,6 @@ from dflash_pipeline.steps.preflight import run_preflight
 from dflash_pipeline.steps.validate import run_validation
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_ID = "manual__2026-02-01T00:00:00+00:00"
 SIM = {"token_time_s": 0.001, "length_scale": 0.02, "max_running_requests": 8, "track_history": True}
 
 
@@ -48,7 +50,9 @@ def _conversations(n: int) -> bytes:
     return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
 
 
-class Run:
+class Run(DispatchRun):
+    """test_dispatch's Run (settings, workers, run_all) over multi-turn rows in all_turns mode."""
+
     def __init__(self, s3: Any, bucket: str, urls: list[str], n: int, save_every: int, samples: int) -> None:
         s3.put_object(Bucket=bucket, Key="in/conv.jsonl", Body=_conversations(n))
         self.s3, self.bucket, self.n, self.samples = s3, bucket, n, samples
@@ -62,34 +66,6 @@ class Run:
         self.layout = DatasetLayout.from_uri(self.cfg.output_uri)
         self.store = Store(s3, bucket)
         self.manifest = json.loads(self.store.get(self.layout.manifest_key)[0])
-
-    def settings(self, index: int, **overrides: Any) -> WorkerSettings:
-        info = self.infos[index]
-        values: dict[str, Any] = {"run_id": RUN_ID, "worker": f"w{index:04d}", "server": self.specs[index],
-                                  "model": info["model"], "sampling": self.cfg.sampling,
-                                  "concurrency": int(info["concurrency"]), "poll_s": 0.2}
-        values.update(overrides)
-        return WorkerSettings(**values)
-
-    def worker(self, index: int, **overrides: Any) -> Worker:
-        return Worker(Store(self.s3, self.bucket), self.layout, self.manifest, self.settings(index, **overrides))
-
-    def run_all(self, workers: list[Worker]) -> list[Any]:
-        out: list[Any] = [None] * len(workers)
-
-        def go(i: int) -> None:
-            try:
-                out[i] = workers[i].run()
-            except BaseException as exc:  # noqa: BLE001 - asserted by the tests
-                out[i] = exc
-
-        threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
-        assert not any(t.is_alive() for t in threads), "a worker did not finish"
-        return out
 
     def rows(self) -> list[dict[str, Any]]:
         out = []
@@ -197,7 +173,8 @@ layout = DatasetLayout.from_uri(a["output_uri"])
 store = Store(s3_client(a["endpoint"]), layout.bucket)
 manifest = json.loads(store.get(layout.manifest_key)[0])
 s = WorkerSettings(run_id=a["run_id"], worker="w0000", server=ServerSpec(a["url"], a["url"]), model=a["model"],
-                   sampling=Sampling(**a["sampling"]), concurrency=a["concurrency"], lease_s=a["lease_s"])
+                   sampling=Sampling(**a["sampling"]), concurrency=a["concurrency"], lease_s=a["lease_s"],
+                   checkpoint_every_s=a.get("checkpoint_every_s", 60.0))
 Worker(store, layout, manifest, s).run()
 """
 
@@ -212,7 +189,7 @@ def test_killed_worker_process_then_resume_one_row_per_id_and_sample(
     s = run.settings(0)
     arg = {"endpoint": moto_server.endpoint_url, "output_uri": run.cfg.output_uri, "run_id": RUN_ID,
            "url": s.server.base_url, "model": s.model, "sampling": s.sampling.__dict__,
-           "concurrency": s.concurrency, "lease_s": 2.0}
+           "concurrency": s.concurrency, "lease_s": 2.0, "checkpoint_every_s": 0.3}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(arg)], cwd=REPO,
                              env={**os.environ, **moto_server.env()}, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
@@ -227,10 +204,19 @@ def test_killed_worker_process_then_resume_one_row_per_id_and_sample(
         if child.poll() is None:
             child.kill()
     assert run.store.list(run.layout.claims_prefix), "the killed worker left no claim: nothing was tested"
+    # What the killed task left: committed parts and the checkpoints (partials) of its open chunks.
+    committed = sum(len(decode_part(run.store.get(o.key)[0])) for o in run.store.list(run.layout.completions_prefix))
+    saved = {(r["id"], r["sample"]) for o in run.store.list(run.layout.partials_prefix)
+             for r in decode_part(run.store.get(o.key)[0]).to_pylist()}
+    assert saved, "no checkpoint was saved before the SIGKILL: nothing was tested"
     result = run.worker(1, lease_s=2.0).run()
     assert result["chunks_taken_over"] >= 1
     _, rows = run.check()
     _assert_replayed_on_policy(fleet.urls, rows)
+    # Every checkpointed conversation was reused, not regenerated: the rows of the killed task's
+    # server are exactly its committed rows plus its checkpoints.
+    assert sum(1 for r in rows if r["server"] == fleet.urls[0]) == committed + len(saved)
+    assert list(run.store.list(run.layout.partials_prefix)) == []
 
 
 def _catch(fn: Any) -> Any:

@@ -45,7 +45,9 @@ Invariants (what makes a row exactly once and a run never hang):
    (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted.
 4. A lease we hold is renewed every lease/4 in every non-final state, each renewal on its own
    thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
-5. Kill: SIGKILL loses the open chunks' unsaved rows and leaves claims that expire after `lease_s`.
+5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
+   finished rows as partials every `checkpoint_every_s`) and leaves claims that expire after
+   `lease_s` (the task's own retry takes them back at once).
    SIGTERM / an exception: one absolute deadline (the stop grace). The committer commits complete
    chunks until half of it; then main owns every lease left and, for all chunks at once, saves the
    finished rows (of open, queued and committing chunks) as partials and releases the claims

@@ -86,7 +86,7 @@ class Committing:
             self._count("chunks_committed")
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
             self._write_marker(chunk, rows)
-            if chunk.todo is not None:
+            if chunk.todo is not None or chunk.checkpointed:
                 with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial",
                              deadline_s=self._commit_deadline())
         self._mark_done(chunk.index)

@@ -55,6 +55,9 @@ class WorkerSettings:
     marker_scan_every_s: float = 30.0
     # Rows claimed and not yet committed (open, queued, committing); None = 2 chunks + 4x concurrency.
     held_rows_cap: int | None = None
+    # Finished rows of open chunks are saved as partials this often (0: never), so a SIGKILLed task's
+    # successor redoes only what finished after the last save (whole conversations in all_turns mode).
+    checkpoint_every_s: float = 60.0
     # After request_stop(): time to commit complete chunks, save partials and release claims.
     stop_grace_s: float = 3.0
     # Breaker: over the last `breaker_window` results, trip at this permanent-error share alone, or

@@ -43,6 +43,8 @@ class OpenChunk:
     marker_runs: list[str] = field(default_factory=list)
     # Prompts still to send (all of them unless rows were reused from a partial).
     todo: list[dict[str, Any]] | None = None
+    # Rows in the last checkpoint (a partial main saved while the chunk was open); main only.
+    checkpointed: int = 0
 
     def prompts_to_send(self) -> list[dict[str, Any]]:
         return self.prompts if self.todo is None else self.todo

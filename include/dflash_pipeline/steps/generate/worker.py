@@ -468,6 +468,34 @@ class Worker(Claiming, Committing):
                            why, len(jobs), saved)
         return len(jobs)
 
+    def _checkpoint(self) -> None:
+        """Save the finished rows of each open chunk that gained some since its last save, as its
+        partial (the rows a hand-off would save), in the background: a SIGKILL then costs only the
+        rows finished since. Only results for good are saved (completions, permanent errors);
+        repairs are not checkpointed. A checkpoint landing after its chunk's commit deleted the
+        partial is swept at the end of a run (the part is what counts)."""
+        with self._open_lock:
+            chunks = [ch for ch in self.open.values() if not ch.dropped and ch.base_rows is None]
+        for chunk in chunks:
+            if len(chunk.results) <= chunk.checkpointed or chunk.lease is None or chunk.lease.state is not State.OPEN:
+                continue
+            rows = [r for r in chunk.results.values() if not r.get("error_class") or not r.get("retryable")]
+            if not rows:
+                continue
+            chunk.checkpointed = len(chunk.results)
+            key = self.layout.partial_key(chunk.index)
+            data = encode_part(rows)
+
+            def save(key: str = key, data: bytes = data, index: int = chunk.index) -> None:
+                try:
+                    with_retries(lambda: self.store.put(key, data), what=f"checkpoint {index}",
+                                 deadline_s=min(60.0, self.settings.checkpoint_every_s),
+                                 should_stop=self._stop_requested.is_set)
+                except Exception as exc:  # noqa: BLE001 - a checkpoint is best effort
+                    logger.warning("could not checkpoint chunk %d: %s", index, exc)
+
+            self._io.submit(save)
+
     def _hand_back(self, jobs: list[tuple[Lease, list[dict[str, Any]]]], deadline: float) -> int:
         """For each (lease already RELEASED by main, rows): save the rows as the chunk's partial,
         then delete the claim; the chunks in parallel, each bounded by `deadline` (monotonic).
@@ -590,7 +618,7 @@ class Worker(Claiming, Committing):
         claimer.start()
         self.keeper.start()
         probe_session = new_session()
-        last_progress = time.monotonic()
+        last_progress = last_checkpoint = time.monotonic()
         try:
             while True:
                 self._raise_thread_errors()
@@ -628,6 +656,9 @@ class Worker(Claiming, Committing):
                 if time.monotonic() - last_progress >= self._progress_interval():
                     self._progress()
                     last_progress = time.monotonic()
+                if s.checkpoint_every_s > 0 and time.monotonic() - last_checkpoint >= s.checkpoint_every_s:
+                    self._checkpoint()
+                    last_checkpoint = time.monotonic()
         except BaseException as exc:
             self._give_up(claimer, committer, keep_errors=not isinstance(exc, ServerBroken))
             raise
