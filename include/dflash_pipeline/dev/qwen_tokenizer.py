@@ -240,5 +240,5 @@ def ensure_qwen_tokenizer(directory: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    print(ensure_qwen_tokenizer())
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logger.info("Qwen BPE tokenizer ready in %s", ensure_qwen_tokenizer())
