@@ -11,13 +11,18 @@ a conditional create (or If-Match when repairing), so no id can appear twice; le
 by their own thread) only keep workers from doing the same work.
 
 Threads and what they own:
-- main: the dispatch loop; `pending`, `in_flight`, the open chunks' `results`, OPEN/REPAIRING ->
-  QUEUED/RELEASED; the stop path (after stopping the others it owns every lease left).
+- main: the dispatch loop; `pending`, `in_flight`, the open chunks' `results` and `checkpointed`,
+  OPEN/REPAIRING -> QUEUED/RELEASED (adding the chunk to `_queued`, under `_committing_lock`);
+  checkpoints (a snapshot of finished rows taken on main, written by an `_io` thread); the stop
+  path (after stopping the others it owns every lease left and hands them back in parallel).
 - claimer (claiming.py): scanning S3 and claiming; CLAIMED and the moves out of it; `_done_cache`
   / `_lowest_unfinished` (under `_scan_lock`); parked claims (`_unopened`).
-- committer (committing.py): QUEUED -> COMMITTING -> COMMITTED, markers, partial cleanup.
-- renewer (chunks.LeaseKeeper): renewals; a refused one marks the chunk dropped.
-- request threads: one request each; they only read their chunk's `dropped` flag.
+- committer (committing.py): QUEUED -> COMMITTING -> COMMITTED, markers, partial cleanup; removes
+  a chunk from `_queued` when done with it.
+- renewer (chunks.LeaseKeeper, one short thread per due renewal): renewals; a refused one marks the
+  chunk dropped.
+- request threads: one unit each (all its turns); they only read their chunk's `dropped` flag and
+  lease state, and the stop flag.
 
 Failure handling. A failed request is a row (outcomes.py). A server that fails everything for
 `handoff_after_s` hands its open chunks (finished rows saved as partials) to the fleet and keeps
