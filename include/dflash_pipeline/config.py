@@ -495,8 +495,9 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "string",
         "enum": ["all", "last"],
         "default": "all",
-        "description": "Which assistant turns carry loss: 'all' of them (each with its reasoning), or only "
-        "the 'last'. Everything else (system, user, untrained turns, headers) has loss_mask 0.",
+        "description": "Which regenerated assistant turns become training rows: 'all' (one row per turn, its "
+        "context exactly what that turn's request carried), or only the 'last'. Only tokens the model "
+        "generated carry loss; answers copied from the input are context, never trained.",
         "section": SECTION_TOKENIZE,
     },
     "loss_on_reasoning": {
@@ -511,6 +512,22 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": False,
         "description": "Drop rows whose generation stopped at max_tokens (finish_reason 'length'); counted "
         "in the report either way.",
+        "section": SECTION_TOKENIZE,
+    },
+    "train_eot_newline": {
+        "type": "boolean",
+        "default": True,
+        "description": "Append the template's text after the end-of-turn token the model emitted (ChatML's "
+        "newline after <|im_end|>) and train it, as SpecForge's mask does; false leaves it out. The "
+        "end-of-turn token itself is always trained; a turn cut at max_tokens has neither.",
+        "section": SECTION_TOKENIZE,
+    },
+    "keep_unverified": {
+        "type": "boolean",
+        "default": False,
+        "description": "Keep turns whose engine returned no token ids and whose re-encoded text does not match "
+        "the engine's token counts (counted and named in the report either way). Off: they stay out "
+        "of the shards.",
         "section": SECTION_TOKENIZE,
     },
     "workers": {
@@ -542,6 +559,8 @@ class TokenizeConfig:
     train_turns: str = "all"
     loss_on_reasoning: bool = True
     drop_truncated: bool = False
+    train_eot_newline: bool = True
+    keep_unverified: bool = False
     workers: int = 4
     aws_conn_id: str = "aws_default"
 

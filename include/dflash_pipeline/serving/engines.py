@@ -59,19 +59,38 @@ class EngineAdapter:
     capacity_source: str | None
     # GET endpoint that tells how many requests the server holds (running + waiting), if any.
     load_path: str | None
+    # Request fields that make the engine return the token ids it used (prompt and generated):
+    # the training data is built from them, never from re-encoded text, where an engine gives them.
+    token_id_fields: tuple[tuple[str, Any], ...] = ()
 
     def chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """Add the engine's extra fields to an OpenAI chat body (in place; returned for chaining)."""
         if self.separate_reasoning:
             body["separate_reasoning"] = True
+        for name, value in self.token_id_fields:
+            body[name] = value
         return body
 
 
 ADAPTERS: dict[Engine, EngineAdapter] = {
     Engine.SGLANG: EngineAdapter(Engine.SGLANG, True, "max_running_requests", "/get_load"),
-    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, "/metrics"),
+    # vLLM >= 0.10.2: top-level `prompt_token_ids` and per-choice `token_ids` (older versions ignore the field).
+    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, "/metrics", (("return_token_ids", True),)),
     Engine.OPENAI: EngineAdapter(Engine.OPENAI, False, None, None),
 }
+
+
+def token_ids_of(data: dict[str, Any], choice: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, generated ids) an engine returned with a chat completion, each None when absent.
+
+    vLLM: top-level `prompt_token_ids`, per-choice `token_ids`. A list that is not all ints is
+    treated as absent (never half-trusted)."""
+    def ints(v: Any) -> list[int] | None:
+        if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return v
+        return None
+
+    return ints(data.get("prompt_token_ids")), ints(choice.get("token_ids"))
 
 
 def adapter(engine: Engine | str | None) -> EngineAdapter:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import requests
 
 from dflash_pipeline.config import Sampling
@@ -34,6 +35,7 @@ from dflash_pipeline.serving.engines import (
     is_error_body,
     reasoning_of,
     sglang_load,
+    token_ids_of,
     vllm_kv_tokens,
     vllm_load,
 )
@@ -186,6 +188,11 @@ class Completion:
     cached_tokens: int | None = None
     # Where the thinking came from: "field" (reasoning_content/reasoning), "inline" (<think> in content).
     reasoning_source: str | None = None
+    # The token ids the engine used, when it returned them (serving/engines.py token_ids_of): the
+    # rendered prompt as the engine encoded it, and every token it generated (the stop token included
+    # when the engine returns it). int32 arrays: a held row costs 4 bytes per token, not a Python int.
+    prompt_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    output_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -210,6 +217,7 @@ def parse_chat_response(data: Any) -> Completion:
     matched = choice.get("matched_stop")
     prompt_details = usage.get("prompt_tokens_details")
     cached = prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None
+    prompt_ids, output_ids = token_ids_of(data, choice) if isinstance(choice, dict) else (None, None)
     return Completion(
         reasoning=reasoning,
         content=answer,
@@ -221,6 +229,8 @@ def parse_chat_response(data: Any) -> Completion:
         model=data.get("model"),
         cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
         reasoning_source=None if reasoning is None else ("field" if separated else "inline"),
+        prompt_token_ids=None if prompt_ids is None else np.asarray(prompt_ids, dtype=np.int32),
+        output_token_ids=None if output_ids is None else np.asarray(output_ids, dtype=np.int32),
     )
 
 

@@ -47,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, vllm_wire
+from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,12 @@ class SimConfig:
     answers carry no reasoning at all and thinking cannot be split from them."""
     engine: str = "sglang"
     """Wire flavour: "sglang", or "vllm" (vLLM's OpenAI server, see vllm_wire.py)."""
+    tokenizer_dir: str | None = None
+    """A local tokenizer directory (tokenizer.json + a chat template): the server then renders and
+    encodes each request like an engine serving that model (dev/sim/tokens.py): usage counts its
+    tokens, and the vLLM flavour returns the ids with `return_token_ids`. None: the word model."""
+    noncanonical_rate: float = 0.0
+    """With tokenizer_dir: share of generated tokens emitted as two smaller tokens of the same text."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -759,7 +765,12 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if request is None:
             return
         messages, max_tokens, enable_thinking, separate_reasoning, model = request
-        prompt_tokens = lengths.count_prompt_tokens(messages)
+        token_model = tokens.load_token_model(config.tokenizer_dir) if config.tokenizer_dir else None
+        if token_model is not None:
+            kwargs = {**self._template_kwargs, "enable_thinking": enable_thinking}
+            prompt_tokens = len(token_model.encode(token_model.render(messages, kwargs)))
+        else:
+            prompt_tokens = lengths.count_prompt_tokens(messages)
         vllm_error = (vllm_wire.context_error(prompt_tokens, max_tokens, config.context_length)
                       if config.engine == "vllm" else None)
         if vllm_error:
@@ -806,11 +817,20 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         parser_on = config.reasoning_parser is not None and (separate_reasoning or config.engine == "vllm")
         completion = lengths.render_completion(plan, max_tokens=cap,
                                                separate_reasoning=parser_on)
+        generated = None
+        if token_model is not None:
+            full = lengths.render_completion(plan, max_tokens=None, separate_reasoning=True)
+            generated = token_model.generate(
+                messages, {**self._template_kwargs, "enable_thinking": enable_thinking},
+                full.reasoning_content, full.content, cap, config.noncanonical_rate,
+                seed=plan.text_seed, strip_parsed=config.engine != "vllm")
+            completion = _token_completion(generated, parser_on)
         if fault == "abort":
             # Cut halfway, answered 200 with finish_reason "abort" (SGLang's abort shape).
             partial = lengths.render_completion(plan, max_tokens=max(1, completion.completion_tokens // 2),
                                                 separate_reasoning=parser_on)
             completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
+            generated = None
         # A proof job takes a slot but stays out of the throughput stats (completed, busy, first admit).
         job = _Job("proof" if proof else "chat", completion.completion_tokens, prompt_tokens, time.monotonic())
         job.cached = cached
@@ -824,8 +844,10 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if completion.finish_reason in ("stop", "length") and not proof:
             sim.conversations.on_answer(messages, completion.content, config.track_history)
         if config.engine == "vllm":
+            ids = (generated.prompt_ids, generated.output_ids) if generated and self._return_token_ids else None
             self._send_json(200, vllm_wire.chat_response(model or config.served_model_name, int(time.time()),
-                                                          completion, prompt_tokens, cached if config.radix_cache else 0))
+                                                          completion, prompt_tokens, cached if config.radix_cache else 0,
+                                                          token_ids=ids))
             return
         self._send_json(200, {
             "id": uuid.uuid4().hex,
@@ -886,7 +908,19 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         seed = obj.get("seed")
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
+        self._template_kwargs = {k: v for k, v in kwargs.items() if isinstance(k, str)}
+        self._return_token_ids = obj.get("return_token_ids") is True
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
+
+
+def _token_completion(g: tokens.Generated, parser_on: bool) -> lengths.Completion:
+    """The word model's Completion shape for a token-level generation (inline `<think>` without a parser)."""
+    if parser_on or g.reasoning is None:
+        return lengths.Completion(g.content, g.reasoning, len(g.output_ids), g.reasoning_tokens, g.finish_reason,
+                                  g.matched_stop)
+    closed = g.content != "" or g.finish_reason == "stop"
+    inline = f"{tokens.THINK_OPEN}\n{g.reasoning}" + (f"\n{tokens.THINK_CLOSE}\n\n{g.content}" if closed else "")
+    return lengths.Completion(inline, None, len(g.output_ids), 0, g.finish_reason, g.matched_stop)
 
 
 class SimServer:
