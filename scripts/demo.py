@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The demo: the whole pipeline on this machine, with nothing but the venv.
 
-Starts a local stack (moto S3, 3 simulated servers: 1 on SGLang's wire, 2 on vLLM's, all "serving" Qwen's
-real BPE with a Qwen3.6-style chat template; Airflow with LocalExecutor), uploads
+Starts a local stack (moto S3, 3 simulated servers "serving" Qwen's real BPE with a Qwen3.6-style chat
+template: SGLang's wire as of a version that returns no token ids, SGLang's and vLLM's wire returning
+them; Airflow with LocalExecutor), uploads
 data/sample_prompts.jsonl, triggers ``dflash_generate`` through the ``airflow dags trigger`` CLI,
 follows the run, prints the report, the UI link, the S3 paths and the exact
 ``AIRFLOW_HOME=... .venv/bin/airflow ...`` line for the CLI against this stack, then stops everything it
@@ -163,8 +164,8 @@ def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
           f"({report['loss_token_share']:.1%}), {report['truncated_to_max_length']:,} cut at max_length {s['max_length']}")
     src = report.get("ids_source") or {}
     print(f"        one row per regenerated turn: {src.get('engine', 0):,} built from the engine's own token ids "
-          f"(vLLM return_token_ids), {src.get('retokenized', 0):,} re-encoded and checked against the engine's "
-          f"counts (SGLang); {report['unverified']:,} failed that check")
+          f"(return_token_ids), {src.get('retokenized', 0):,} re-encoded and checked against the engine's "
+          f"counts (the server without ids); {report['unverified']:,} failed that check")
     print(f"        tokenizer {s['tokenizer']} (validation's), train_turns {s['train_turns']}, "
           f"loss_on_reasoning {s['loss_on_reasoning']}, train_eot_newline {s['train_eot_newline']}")
     print(f"        shards  s3://{BUCKET}/{layout.tokenized_prefix}part-*.parquet (id, sample, input_ids, loss_mask, ...)")
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
     parser.add_argument("--prompts", type=Path, default=REPO / "data" / "sample_prompts.jsonl")
     parser.add_argument("--servers", type=int, default=3,
-                        help="simulated servers (the first on SGLang's wire, the others on vLLM's)")
+                        help="simulated servers (the first two on SGLang's wire, the first without token ids; "
+                        "the others on vLLM's)")
     parser.add_argument("--length-scale", type=float, default=0.05, help="simulated completion length factor")
     parser.add_argument("--token-time-s", type=float, default=0.002, help="simulated seconds per token")
     parser.add_argument("--save-every", type=int, default=100)
@@ -220,14 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         sim_count=args.servers,
         sim_settings={"length_scale": args.length_scale, "token_time_s": args.token_time_s,
                       "tokenizer_dir": str(tok_dir)},
-        sim_extra_args=[a for i in range(1, args.servers) for a in ("--server-set", f"{i}:engine=vllm")],
+        sim_extra_args=["--server-set", "0:token_ids_supported=false",
+                        *(a for i in range(2, args.servers) for a in ("--server-set", f"{i}:engine=vllm"))],
         buckets=[BUCKET],
         wait_for_dags=(DAG_ID,),
     )  # fmt: skip
     prompts_uri = f"s3://{BUCKET}/{PROMPTS_KEY}"
     output_uri = f"s3://{BUCKET}/{OUTPUT_PREFIX}"
-    print(f"Starting moto S3, {args.servers} simulated servers (1 SGLang, {args.servers - 1} vLLM) and Airflow under "
-          f"{args.home} ...", flush=True)
+    print(f"Starting moto S3, {args.servers} simulated servers (SGLang without token ids, SGLang, "
+          f"{max(0, args.servers - 2)} vLLM) and Airflow under {args.home} ...", flush=True)
     t0 = time.monotonic()
     state: str | None = None
     tokenized = False

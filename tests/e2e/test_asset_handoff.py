@@ -48,9 +48,11 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
 ) -> None:
     from tokenizers import Tokenizer
 
-    # the servers "serve" Qwen's BPE: the vLLM-wire one returns its token ids, the SGLang-wire one none
+    # the servers "serve" Qwen's BPE: the vLLM-wire one returns its token ids, the SGLang-wire one plays a
+    # version before 0.5.17 (none: its turns are re-encoded and checked)
     fleet = sim_fleet(engines=["sglang", "vllm"], token_time_s=0.001, length_scale=0.05, max_running_requests=8,
                       tokenizer_dir=str(qwen_tokenizer))
+    fleet.servers[0].update_config(token_ids_supported=False)
     body = "\n".join(json.dumps({"id": f"h-{i}", "prompt": f"handoff question {i}"}) for i in range(120))
     s3_client.put_object(Bucket=bucket, Key="p/handoff.jsonl", Body=body.encode())
     output_uri = f"s3://{bucket}/ds/handoff"

@@ -255,7 +255,7 @@ def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids
 ) -> None:
     """Parts the generate step wrote in all_turns mode, fed to the tokenize step with Qwen's real BPE,
     the servers serving that tokenizer (one vLLM-wire server returning its token ids, one SGLang-wire
-    server returning none). Every regenerated turn is one training row: its context is exactly the
+    server of a version that returns none). Every regenerated turn is one training row: its context is exactly the
     ids its request had, its trained tokens exactly the ids generated (engine ids kept as they are,
     re-encoded ones checked against the engine's counts), no user or system text and no original
     answer is trained, and no earlier turn's reasoning is in any context."""
@@ -268,9 +268,10 @@ def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids
     from dflash_pipeline.steps.tokenize import plan, run_assignment, write_report
 
     fleet = sim_fleet(engines=["vllm", "sglang"], tokenizer_dir=str(qwen_tokenizer), noncanonical_rate=0.05, **SIM)
-    # Without engine ids a non-canonical generation cannot be told from a mangled one (the count check
-    # refuses it: tests/unit/test_tokenize_exact.py); here the SGLang-wire server samples canonically.
-    fleet.servers[1].update_config(noncanonical_rate=0.0)
+    # The SGLang-wire server plays a version older than 0.5.17 (no token ids). Without engine ids a
+    # non-canonical generation cannot be told from a mangled one (the count check refuses it:
+    # tests/unit/test_tokenize_exact.py), so that server samples canonically.
+    fleet.servers[1].update_config(noncanonical_rate=0.0, token_ids_supported=False)
     run = Run(s3_client, bucket, fleet.urls, n=30, save_every=10, samples=2)
     assert all(isinstance(r, dict) for r in run.run_all([run.worker(i) for i in range(2)]))
     report_v, rows = run.check()

@@ -57,8 +57,8 @@ class EngineAdapter:
     separate_reasoning: bool
     # Where the server reports its capacity; None: it does not (a default is used, with a warning).
     capacity_source: str | None
-    # GET endpoint that tells how many requests the server holds (running + waiting), if any.
-    load_path: str | None
+    # GET endpoints that tell how many requests the server holds (running + waiting), newest first.
+    load_paths: tuple[str, ...]
     # Request fields that make the engine return the token ids it used (prompt and generated):
     # the training data is built from them, never from re-encoded text, where an engine gives them.
     token_id_fields: tuple[tuple[str, Any], ...] = ()
@@ -73,24 +73,38 @@ class EngineAdapter:
 
 
 ADAPTERS: dict[Engine, EngineAdapter] = {
-    Engine.SGLANG: EngineAdapter(Engine.SGLANG, True, "max_running_requests", "/get_load"),
+    # SGLang: `/v1/loads` (every release checked, 0.5.9-0.5.23); `/get_load` was removed in 0.5.21.
+    # Token ids: `return_prompt_token_ids` (>= 0.5.13) and `return_token_ids` (>= 0.5.17) give
+    # `choices[].prompt_token_ids` and `choices[].response_token_ids` (`token_ids` in 0.5.17 only);
+    # older versions ignore both fields silently (then the answer simply has no ids).
+    Engine.SGLANG: EngineAdapter(Engine.SGLANG, True, "max_running_requests", ("/v1/loads", "/get_load"),
+                                 (("return_prompt_token_ids", True), ("return_token_ids", True))),
     # vLLM >= 0.10.2: top-level `prompt_token_ids` and per-choice `token_ids` (older versions ignore the field).
-    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, "/metrics", (("return_token_ids", True),)),
-    Engine.OPENAI: EngineAdapter(Engine.OPENAI, False, None, None),
+    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, ("/metrics",), (("return_token_ids", True),)),
+    Engine.OPENAI: EngineAdapter(Engine.OPENAI, False, None, ()),
 }
+
+
+def _ints(v: Any) -> list[int] | None:
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return v
+    return None
 
 
 def token_ids_of(data: dict[str, Any], choice: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
     """(prompt ids, generated ids) an engine returned with a chat completion, each None when absent.
 
-    vLLM: top-level `prompt_token_ids`, per-choice `token_ids`. A list that is not all ints is
-    treated as absent (never half-trusted)."""
-    def ints(v: Any) -> list[int] | None:
-        if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            return v
-        return None
-
-    return ints(data.get("prompt_token_ids")), ints(choice.get("token_ids"))
+    vLLM: top-level `prompt_token_ids`, per-choice `token_ids`. SGLang: per-choice
+    `prompt_token_ids` and `response_token_ids` (`token_ids` in 0.5.17). Both engines' generated ids
+    are the raw output (before the reasoning split), the stop token included. A list that is not
+    all ints is treated as absent (never half-trusted)."""
+    prompt = _ints(data.get("prompt_token_ids"))
+    if prompt is None:
+        prompt = _ints(choice.get("prompt_token_ids"))
+    output = _ints(choice.get("response_token_ids"))
+    if output is None:
+        output = _ints(choice.get("token_ids"))
+    return prompt, output
 
 
 def adapter(engine: Engine | str | None) -> EngineAdapter:
@@ -160,12 +174,22 @@ def vllm_kv_tokens(metrics_text: str) -> int | None:
 
 
 def sglang_load(payload: Any) -> int | None:
-    """Requests an SGLang server holds, from `/get_load` (a list per DP rank, or one dict)."""
-    items = payload if isinstance(payload, list) else [payload]
+    """Requests an SGLang server holds (running + waiting, summed over DP ranks): from `/v1/loads`
+    (`{"loads": [{"num_running_reqs", "num_waiting_reqs", ...}]}`) or the older `/get_load` (a list
+    per DP rank, or one dict, with `num_reqs` = running + waiting)."""
+    if isinstance(payload, dict) and isinstance(payload.get("loads"), list):
+        items = payload["loads"]
+    else:
+        items = payload if isinstance(payload, list) else [payload]
     total = 0
     seen = False
     for item in items:
-        if isinstance(item, dict) and isinstance(item.get("num_reqs"), (int, float)):
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("num_reqs"), (int, float)):
             total += int(item["num_reqs"])
+            seen = True
+        elif isinstance(item.get("num_running_reqs"), (int, float)):
+            total += int(item["num_running_reqs"]) + int(item.get("num_waiting_reqs") or 0)
             seen = True
     return total if seen else None

@@ -519,18 +519,27 @@ def server_load(session: requests.Session, server: ServerSpec, engine: Engine | 
                 timeout_s: float = 5.0) -> int | None:
     """How many requests the server holds now (running + waiting), or None if it cannot tell us
     (generic server, endpoint missing, server not answering)."""
-    path = adapter(engine).load_path
-    if path is None:
-        return None
-    text = _get_text(session, server, path, timeout_s)
-    if text is None:
-        return None
-    if path == "/metrics":
-        return vllm_load(text)
-    try:
-        return sglang_load(json.loads(text))
-    except ValueError:
-        return None
+    paths = adapter(engine).load_paths
+    known = _LOAD_PATH.get(server.base_url)
+    for path in sorted(paths, key=lambda p: p != known):  # the one that answered last, first
+        text = _get_text(session, server, path, timeout_s)
+        if text is None:
+            continue
+        if path == "/metrics":
+            load = vllm_load(text)
+        else:
+            try:
+                load = sglang_load(json.loads(text))
+            except ValueError:
+                load = None
+        if load is not None:
+            _LOAD_PATH[server.base_url] = path
+            return load
+    return None
+
+
+_LOAD_PATH: dict[str, str] = {}
+"""The load endpoint that answered last, per server: an older SGLang is not asked `/v1/loads` every probe."""
 
 
 def derive_concurrency(max_running_requests: int | None) -> int:

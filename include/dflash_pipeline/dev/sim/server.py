@@ -52,7 +52,7 @@ from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
 
-SIM_VERSION = "0.5.4-sim"
+SIM_VERSION = "0.5.23-sim"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 """SGLang's /health_generate gives up after 20 s and answers 503."""
 
@@ -159,6 +159,9 @@ class SimConfig:
     tokens, and the vLLM flavour returns the ids with `return_token_ids`. None: the word model."""
     noncanonical_rate: float = 0.0
     """With tokenizer_dir: share of generated tokens emitted as two smaller tokens of the same text."""
+    token_ids_supported: bool = True
+    """With tokenizer_dir: answer `return_token_ids` (vLLM >= 0.10.2, SGLang >= 0.5.17). False plays
+    an older engine that ignores the field silently: usage as always, no ids."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -541,6 +544,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         "/get_server_info": "_server_info",
         "/server_info": "_server_info",
         "/get_load": "_get_load",
+        "/v1/loads": "_v1_loads",
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
@@ -699,9 +703,20 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         self._send_json(200, self.sim.server_info())
 
     def _get_load(self, _body: bytes) -> None:
+        """SGLang's deprecated `/get_load` (served up to 0.5.20)."""
         running, waiting, tokens = self.sim._sched.load()
         self._send_json(200, [{"dp_rank": 0, "num_reqs": running + waiting,
                                "num_waiting_reqs": waiting, "num_tokens": tokens}])
+
+    def _v1_loads(self, _body: bytes) -> None:
+        """SGLang's `/v1/loads` (core fields; `entrypoints/v1_loads.py`, `managers/load_snapshot.py`)."""
+        running, waiting, tokens = self.sim._sched.load()
+        config = self.sim.config
+        self._send_json(200, {"timestamp": time.time(), "version": SIM_VERSION, "loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": tokens,
+            "max_total_num_tokens": config.max_total_num_tokens, "max_running_requests": config.max_running_requests,
+            "token_usage": round(tokens / max(1, config.max_total_num_tokens), 4),
+        }]})
 
     def _model_info(self, _body: bytes) -> None:
         config = self.sim.config
@@ -849,20 +864,27 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
                                                           completion, prompt_tokens, cached if config.radix_cache else 0,
                                                           token_ids=ids))
             return
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": completion.content,
+                        "reasoning_content": completion.reasoning_content,
+                        "tool_calls": None},
+            "logprobs": None,
+            "finish_reason": completion.finish_reason,
+            "matched_stop": completion.matched_stop,
+        }
+        if generated is not None and (self._return_token_ids or self._return_prompt_token_ids):
+            # SGLang >= 0.5.18 (serving_chat.py): the choice carries the prompt ids, and with
+            # return_token_ids the raw generated ids (stop token included) as response_token_ids.
+            choice["prompt_token_ids"] = generated.prompt_ids
+            if self._return_token_ids:
+                choice["response_token_ids"] = generated.output_ids
         self._send_json(200, {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model or config.served_model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": completion.content,
-                            "reasoning_content": completion.reasoning_content,
-                            "tool_calls": None},
-                "logprobs": None,
-                "finish_reason": completion.finish_reason,
-                "matched_stop": completion.matched_stop,
-            }],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion.completion_tokens,
@@ -909,7 +931,9 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
         self._template_kwargs = {k: v for k, v in kwargs.items() if isinstance(k, str)}
-        self._return_token_ids = obj.get("return_token_ids") is True
+        supported = self.server.sim.config.token_ids_supported
+        self._return_token_ids = supported and obj.get("return_token_ids") is True
+        self._return_prompt_token_ids = supported and obj.get("return_prompt_token_ids") is True
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
 
 
