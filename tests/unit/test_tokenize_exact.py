@@ -234,3 +234,20 @@ def test_old_parts_without_conversation_or_ids_are_re_encoded_and_checked(templa
     row, _ = old_row(strip_parsed=True)
     rows, stats, _ = _one([row], templates["qwen3"])
     assert rows == [] and stats.unverified == 1 and "engine counted" in stats.unverified_examples[0]
+
+
+def test_a_turn_cut_right_after_its_closing_think_tag_is_verified_without_ids(templates: dict[str, Path]) -> None:
+    """Cut inside the thinking, just after `</think>`, or after the newlines that follow it: the parsed fields
+    look the same (all reasoning, empty answer); the re-encoding that has the engine's count is taken."""
+    tm = SimTokenModel(templates["qwen3.6"])
+    messages = [{"role": "user", "content": PARAS[95]}]
+    full = engine_row(tm, messages, [(PARAS[96], PARAS[97])], thinking=True)
+    out = list(full["output_token_ids"][0])
+    close = out.index(tm.think_close_id)
+    for cut in (close, close + 1, close + 2):
+        row = engine_row(tm, messages, [(PARAS[96], PARAS[97])], thinking=True, max_tokens=cut, ids=False)
+        assert row["content"].strip() == "" and row["finish_reason"] == "length"
+        rows, stats, tok = _one([row], templates["qwen3.6"])
+        assert stats.unverified == 0, (cut, stats.unverified_examples)
+        (r,) = rows
+        assert r["input_ids"][-cut:] == out[:cut] and r["num_loss_tokens"] == cut

@@ -938,13 +938,12 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
 
 
 def _token_completion(g: tokens.Generated, parser_on: bool) -> lengths.Completion:
-    """The word model's Completion shape for a token-level generation (inline `<think>` without a parser)."""
-    if parser_on or g.reasoning is None:
+    """The word model's Completion shape for a token-level generation (without a parser, the decoded
+    output as it is, `<think>`/`</think>` inline)."""
+    if parser_on:
         return lengths.Completion(g.content, g.reasoning, len(g.output_ids), g.reasoning_tokens, g.finish_reason,
                                   g.matched_stop)
-    closed = g.content != "" or g.finish_reason == "stop"
-    inline = f"{tokens.THINK_OPEN}\n{g.reasoning}" + (f"\n{tokens.THINK_CLOSE}\n\n{g.content}" if closed else "")
-    return lengths.Completion(inline, None, len(g.output_ids), 0, g.finish_reason, g.matched_stop)
+    return lengths.Completion(g.text, None, len(g.output_ids), 0, g.finish_reason, g.matched_stop)
 
 
 class SimServer:

@@ -52,6 +52,8 @@ class Generated:
     finish_reason: str
     reasoning_tokens: int
     matched_stop: int | None
+    text: str = ""
+    """The decoded output (special tokens skipped), before any reasoning split."""
 
 
 class SimTokenModel:
@@ -150,7 +152,7 @@ class SimTokenModel:
             reasoning = reasoning.strip() if reasoning is not None else None
             content = content.strip()
         return Generated(prompt_ids, ids, reasoning or None, content, finish, reasoning_tokens,
-                         self.eos_id if finish == "stop" else None)
+                         self.eos_id if finish == "stop" else None, text)
 
 
 @functools.lru_cache(maxsize=8)

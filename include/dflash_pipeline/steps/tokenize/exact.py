@@ -142,7 +142,8 @@ class _Plan:
 
     built: Built
     prompt_text: str | None = None
-    generated_text: str | None = None
+    generated_texts: tuple[str, ...] = ()
+    """What the model may have written (one candidate, or several for a turn cut by max_tokens)."""
 
 
 class TrainingRowBuilder:
@@ -176,19 +177,23 @@ class TrainingRowBuilder:
     def prompt_text(self, turn: TurnSource) -> str:
         return self.rec.render_messages([dict(m) for m in turn.context], add_generation_prompt=True)
 
-    def generated_text(self, turn: TurnSource, prompt: str) -> str | None:
-        """What the model wrote after `prompt`, as the template writes the turn; None when the template's
-        rendering of the turn does not extend the prompt or the turn's texts cannot be found in it."""
+    def generated_texts(self, turn: TurnSource, prompt: str) -> tuple[str, ...]:
+        """What the model wrote after `prompt`, as the template writes the turn; empty when the template's
+        rendering of the turn does not extend the prompt or the turn's texts cannot be found in it.
+
+        A turn cut by `max_tokens` with an empty answer may have been cut inside its thinking, or just
+        after `</think>` or the newlines after it (the parsed fields look the same): each is a candidate,
+        and the one whose token count is the engine's is taken (none: the turn is unverified)."""
         msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
         if turn.reasoning:
             msg["reasoning_content"] = turn.reasoning
         full = self.rec.render_messages([*(dict(m) for m in turn.context), msg])
         if not full.startswith(prompt):
-            return None
+            return ()
         text = full[len(prompt):]
         if turn.finish_reason != "length":
             end = text.find(self.eot)
-            return None if end < 0 else text[: end + len(self.eot)]
+            return () if end < 0 else (text[: end + len(self.eot)],)
         # Cut by max_tokens: the model stopped inside the last text it wrote, before any closer the
         # template adds (`\n</think>\n\n`, the end-of-turn token).
         last = turn.content if turn.content else (turn.reasoning or "")
@@ -198,8 +203,15 @@ class TrainingRowBuilder:
             if variant:
                 pos = text.rfind(variant, 0, limit)
                 if pos >= 0:
-                    return text[: pos + len(variant)]
-        return None
+                    cut = pos + len(variant)
+                    out = [text[:cut]]
+                    close = text.find(THINK_CLOSE, cut, limit)
+                    if not turn.content and close >= 0:
+                        out.append(text[: close + len(THINK_CLOSE)])
+                        if limit > close + len(THINK_CLOSE):
+                            out.append(text[:limit])
+                    return tuple(out)
+        return ()
 
     # -- rows --------------------------------------------------------------------------------------
     def build(self, rows: Sequence[tuple[str, int, TurnSource]]) -> list[Built]:
@@ -215,16 +227,15 @@ class TrainingRowBuilder:
                 plans.append(_Plan(b, prompt))
                 continue
             b.source = IDS_RETOKENIZED
-            generated = self.generated_text(turn, prompt)
-            if generated is None:
+            generated = self.generated_texts(turn, prompt)
+            if not generated:
                 b.drop = DROP_TEMPLATE
                 continue
             plans.append(_Plan(b, prompt, generated))
         texts: list[str] = []
         for p in plans:
             texts.append(p.prompt_text or "")
-            if p.generated_text is not None:
-                texts.append(p.generated_text)
+            texts.extend(p.generated_texts)
         encoded = iter(self._encode(texts))
         for p in plans:
             b, t = p.built, p.built.turn
@@ -241,7 +252,9 @@ class TrainingRowBuilder:
                 output_ids = t.output_ids
             else:
                 prompt_ids = rendered
-                output_ids = np.asarray(next(encoded), dtype=np.int32)
+                candidates = [next(encoded) for _ in p.generated_texts]
+                chosen = next((c for c in candidates if len(c) == t.completion_tokens), candidates[0])
+                output_ids = np.asarray(chosen, dtype=np.int32)
                 problems = []
                 if t.prompt_tokens is not None and len(prompt_ids) != t.prompt_tokens:
                     problems.append(f"prompt {len(prompt_ids)} tokens, engine counted {t.prompt_tokens}")
