@@ -37,10 +37,16 @@ def _yaml_features() -> list[dict[str, str]]:
 
 
 def front_matter(profiles: Sequence[str]) -> dict[str, Any]:
-    """The card's YAML header: a `datasets` config per file kind of the chosen profiles."""
+    """The card's YAML header: `datasets` configs (``data_files``) and the Parquet features.
+
+    `datasets` 5.1 picks one builder for a whole folder (``load_dataset("<root>", "specforge")`` next to
+    Parquet files reads the JSONL as Parquet and fails), so the configs declared are those of one format:
+    the ``parquet`` config when that profile is written, else the JSONL ones. The JSONL files always load
+    with ``load_dataset("json", data_files=...)``."""
     configs = []
+    parquet = "parquet" in profiles
     for name, profile, kind, _ in _CONFIGS:
-        if profile in profiles:
+        if profile in profiles and (profile == "parquet") == parquet:
             configs.append({"config_name": name, "data_files": [{"split": "train", "path": profile_globs(profile)[kind]}]})
     if configs:
         configs[0]["default"] = True
@@ -124,7 +130,8 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         "## Train a drafter on it", "",
         "```python",
         "from datasets import load_dataset",
-        'rows = load_dataset("<this folder>", "parquet", split="train")',
+        'rows = load_dataset("<this folder>", "parquet", split="train")  # the Parquet profile, features declared',
+        'specforge = load_dataset("json", data_files="<this folder>/tokenized/specforge/part-*.jsonl", split="train")',
         "```", "",
     ]
     if "specforge" in profiles:
