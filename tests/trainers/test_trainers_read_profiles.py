@@ -53,6 +53,7 @@ def _conversations(seed: int, thinking: bool) -> list[list[dict[str, Any]]]:
     flags for the special rows (`case`)."""
     rng = random.Random(seed)
     texts = _texts()
+    corpus = "\n\n".join(texts)
     convs = []
     for c in range(18):
         msgs: list[dict[str, Any]] = []
@@ -64,10 +65,9 @@ def _conversations(seed: int, thinking: bool) -> list[list[dict[str, Any]]]:
             start = rng.randrange(0, max(1, len(t) - 1500))
             question = t[start: start + rng.randrange(80, 400)].strip() + "\n\nExplain this. Grüße, 你好!"
             msgs.append({"role": "user", "content": question})
-            body = texts[(c * 7 + k + 3) % len(texts)]
-            b0 = rng.randrange(0, max(1, len(body) - 3000))
-            reasoning = body[b0: b0 + rng.randrange(300, 1200)].strip() if thinking else None
-            content = body[b0 + 1200: b0 + 1200 + rng.randrange(100, 700)].strip() or "Done."
+            b0 = rng.randrange(0, len(corpus) - 3000)
+            reasoning = corpus[b0: b0 + rng.randrange(300, 1200)].strip() if thinking else None
+            content = corpus[b0 + 1200: b0 + 1200 + rng.randrange(300, 1200)].strip()
             msgs.append({"role": "assistant", "reasoning": reasoning, "content": content, "finish": "stop", "case": None})
         last = msgs[-1]
         if c == 1:

@@ -11,7 +11,7 @@ from dflash_pipeline.steps.tokenize import TokenizeSettings
 
 def test_defaults_and_bounds() -> None:
     cfg = TokenizeConfig.from_params({})
-    assert (cfg.max_length, cfg.train_turns, cfg.loss_on_reasoning, cfg.drop_truncated, cfg.workers) == (8192, "all", True, False, 4)
+    assert (cfg.max_length, cfg.train_turns, cfg.loss_on_reasoning, cfg.drop_truncated, cfg.workers) == (4096, "all", True, False, 4)
     for conf, msg in [({"max_length": 8}, "minimum of 16"), ({"workers": 0}, "minimum of 1"),
                       ({"train_turns": "first"}, "not one of"), ({"output_uri": "s3://bkt/../x"}, "not allowed"),
                       ({"tokenizer": "s3://B_/x"}, "not a valid S3 bucket"), ({"max_len": 5}, "unknown conf key"),
