@@ -151,7 +151,7 @@ def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: st
     assert (summary["written"], summary["present"], summary["lost_race"]) == (0, PARTS, 0)
     assert _outputs(s3_client, bucket, dataset) == before
     with pytest.raises(ConfigError, match="other settings.*max_length"):
-        plan(s3_client, [dataset.uri], TokenizeConfig(workers=2, max_length=4096))
+        plan(s3_client, [dataset.uri], TokenizeConfig(workers=2, max_length=8192))
 
 
 def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:

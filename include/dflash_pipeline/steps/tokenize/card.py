@@ -114,8 +114,10 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
     if "specforge" in profiles:
         skipped = conv.get("skipped") or {}
         lines += [
-            f"SpecForge conversations file: {_fmt(conv.get('rows', 'n/a'))} rows; left out (still in every token "
-            "file): " + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(skipped.items())) or "none") + ".", "",
+            f"SpecForge conversations file: {_fmt(conv.get('rows', 'n/a'))} rows, "
+            f"{_fmt(conv.get('without_system_message', 'n/a'))} of them without a system message (SpecForge "
+            "templates other than `qwen3.5` add their default system prompt to those); left out (still in every "
+            "token file): " + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(skipped.items())) or "none") + ".", "",
         ]
     lines += [
         "## Files and columns", "",
