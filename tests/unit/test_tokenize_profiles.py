@@ -75,6 +75,11 @@ def test_filter_cuts_then_drops_by_first_reason() -> None:
     assert r2.dropped == {DROP_NO_LOSS: 1} and "no-pair" in r2.table.column("key").to_pylist()
 
 
+def test_filter_of_an_empty_part() -> None:
+    r = dflash_ready(table([]))
+    assert r.table.num_rows == 0 and r.dropped == {} and r.cut == 0
+
+
 def test_filter_pairs_do_not_cross_rows_and_carry_other_columns() -> None:
     # row a ends with a loss token, row b starts with one: no pair in either
     t = table([row("a", [0, 0, 0, 1]), row("b", [1, 0, 0, 0])]).append_column("conversation", pa.array([["x"], ["y"]]))

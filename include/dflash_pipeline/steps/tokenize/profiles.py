@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.config import TOKENIZE_PROFILES, ConfigError
 from dflash_pipeline.dataset.layout import CHUNK_DIGITS
+from dflash_pipeline.dataset.records import unit_key
 
 PROFILES = TOKENIZE_PROFILES
 
@@ -182,7 +183,7 @@ def speculators_jsonl(table: pa.Table) -> bytes:
         sample = cols["sample"][i]
         lines.append(_dumps({
             "id": key,
-            "primary_id": cols["id"][i] if not sample else f"{cols['id'][i]}#sample={sample}",
+            "primary_id": unit_key({"id": cols["id"][i], "sample": sample}),
             "input_ids": cols["input_ids"][i],
             "loss_mask": cols["loss_mask"][i],
             "metadata": {"sample": sample, "turn": cols["turn"][i], "finish_reason": cols["finish_reason"][i],
@@ -261,7 +262,7 @@ def specforge_conversations_jsonl(
         stats.without_system_message += conv[0].get("role") != "system"
         lines.append(_dumps({
             "id": keys[i],
-            "source_id": ids[i] if not samples[i] else f"{ids[i]}#sample={samples[i]}",
+            "source_id": unit_key({"id": ids[i], "sample": samples[i]}),
             "assistant_turn_index": turns[i],
             "status": STATUS_SUCCESS,
             "conversations": messages,
