@@ -8,10 +8,11 @@ It imports nothing from dflash_pipeline. Each command writes one JSON object per
     specforge-tokens         specforge.data.prompt_builder.prepare_prompt_tasks on a pre-tokenized JSONL, with
                              DFlash's min_loss_tokens and loss_mask_filter from SpecForge's own registration
     specforge-conversations  the same entry on a conversations JSONL (its build_eagle3_dataset + parser +
-                             template), plus each row alone through build_eagle3_dataset to keep its key
+                             template); keys from its shuffle, or each row alone when it dropped some
     speculators              speculators.cli.prepare_data.prepare_data (pre-tokenized passthrough), then its
                              training ArrowDataset over the prepared folder
     parquet                  datasets.load_dataset on the Parquet files and through the dataset card's configs
+    batch                    several of the above in one process (one import of torch and the trainers)
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def specforge_tokens(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def specforge_conversations(args: argparse.Namespace) -> dict[str, Any]:
+    import inspect
+
     import datasets
     from transformers import AutoTokenizer
 
@@ -72,31 +75,37 @@ def specforge_conversations(args: argparse.Namespace) -> dict[str, Any]:
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     min_loss, loss_filter = _dflash()
-    # The real entry point of a run with data.train_data_path: its output has no key and is shuffled.
+    records = [json.loads(line) for line in Path(args.file).read_text().splitlines()]
+    # The real entry point of a run with data.train_data_path (_prepare_raw_prompts -> build_eagle3_dataset):
+    # its rows carry no key and come shuffled with build_eagle3_dataset's default seed.
     tasks = prepare_prompt_tasks(
         args.file, tokenizer, chat_template=args.chat_template, max_length=args.max_length, is_preformatted=False,
         train_only_last_turn=True, cache_dir=None, cache_key=None, num_proc=1,
         min_loss_tokens=min_loss, loss_mask_filter=loss_filter,
     )
-    entry = [{"input_ids": _ints(t["payload"]["input_ids"]), "loss_mask": _ints(t["payload"]["loss_mask"])}
-             for t in tasks]
-    # Each record alone through the same build_eagle3_dataset (same map, parser, template, filters), to
-    # keep its key: the entry's rows above must be exactly these.
     rows = []
-    for line in Path(args.file).read_text().splitlines():
-        record = json.loads(line)
-        one = build_eagle3_dataset(
-            datasets.Dataset.from_list([record]), tokenizer, chat_template=args.chat_template,
-            max_length=args.max_length, num_proc=None, train_only_last_turn=True, minimum_valid_tokens=min_loss,
-        )
-        if len(one):
-            rows.append({"key": record["id"], "input_ids": _ints(one[0]["input_ids"]),
-                         "loss_mask": _ints(one[0]["loss_mask"])})
-        else:
-            rows.append({"key": record["id"], "input_ids": None, "loss_mask": None})
+    if len(tasks) == len(records):
+        # Nothing dropped: row j is record perm[j], perm being that shuffle (a function of the seed and the
+        # length only). A wrong key here makes the comparison fail, never pass.
+        seed = inspect.signature(build_eagle3_dataset).parameters["shuffle_seed"].default
+        perm = datasets.Dataset.from_dict({"i": list(range(len(records)))}).shuffle(seed=seed)["i"]
+        for j, task in enumerate(tasks):
+            rows.append({"key": records[perm[j]]["id"], "input_ids": _ints(task["payload"]["input_ids"]),
+                         "loss_mask": _ints(task["payload"]["loss_mask"])})
+        keyed_by = "entry"
+    else:
+        # Some rows dropped: each record alone through the same build_eagle3_dataset (same map, parser,
+        # template, filter) to say which.
+        for record in records:
+            one = build_eagle3_dataset(
+                datasets.Dataset.from_list([record]), tokenizer, chat_template=args.chat_template,
+                max_length=args.max_length, num_proc=None, train_only_last_turn=True, minimum_valid_tokens=min_loss,
+            )
+            rows.append({"key": record["id"], "input_ids": _ints(one[0]["input_ids"]) if len(one) else None,
+                         "loss_mask": _ints(one[0]["loss_mask"]) if len(one) else None})
+        keyed_by = "per_row"
     _write(args.out, rows)
-    _write(args.out.with_suffix(".entry.jsonl"), entry)
-    return {"rows": len(rows), "entry_rows": len(entry), "min_loss_tokens": min_loss}
+    return {"rows": len(rows), "entry_rows": len(tasks), "keyed_by": keyed_by, "min_loss_tokens": min_loss}
 
 
 def speculators(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,10 +168,19 @@ def main() -> None:
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--json-globs", nargs="*", default=[])
     p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("batch", help="run several commands in one process: a JSON list of argument lists")
+    p.add_argument("--jobs", type=Path, required=True)
+    commands = {"specforge-tokens": specforge_tokens, "specforge-conversations": specforge_conversations,
+                "speculators": speculators, "parquet": parquet}
     args = parser.parse_args()
-    summary = {"specforge-tokens": specforge_tokens, "specforge-conversations": specforge_conversations,
-               "speculators": speculators, "parquet": parquet}[args.command](args)
-    sys.stdout.write(json.dumps(summary) + "\n")
+    if args.command == "batch":
+        summaries = []
+        for argv in json.loads(args.jobs.read_text()):
+            job = parser.parse_args(argv)
+            summaries.append(commands[job.command](job))
+        sys.stdout.write(json.dumps(summaries) + "\n")
+    else:
+        sys.stdout.write(json.dumps(commands[args.command](args)) + "\n")
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ CASES = [
 
 @pytest.mark.parametrize(("template", "thinking", "sf_template"), CASES, ids=[f"{t}-{'think' if th else 'nothink'}" for t, th, _ in CASES])
 def test_trainers_load_every_kept_row(template: str, thinking: bool, sf_template: str, qwen_tokenizer: Path,
-                                      tmp_path: Path, run_loader: Any) -> None:
+                                      tmp_path: Path, run_loaders: Any) -> None:
     tok_dir = copy_with_template(tmp_path / "tokenizer", template, source=qwen_tokenizer)
     rec = load_recounter(str(tok_dir), lambda b, k: None, enable_thinking=thinking, workdir=tmp_path / "tok-work")
     header = rec.render_messages([{"role": "user", "content": "q"}], add_generation_prompt=True).split("<|im_end|>\n")[-1]
@@ -186,53 +186,51 @@ def test_trainers_load_every_kept_row(template: str, thinking: bool, sf_template
                                           result.table.column("loss_mask").to_pylist())}
     ordered = [(i, m) for i, m in ours.values()]
     multiset = Counter(json.dumps(v) for v in ordered)
-
-    # SpecForge, pre-tokenized path: every kept row, in order, exactly our ids and mask.
-    summary, loaded = run_loader("specforge-tokens", "--file", str(root / "tokenized/specforge/part-000000.jsonl"),
-                                 "--max-length", str(MAX_LENGTH))
-    assert summary["min_loss_tokens"] == 2 and summary["loss_mask_filter"] == "has_consecutive_supervised_tokens"
-    assert [(r["input_ids"], r["loss_mask"]) for r in loaded] == ordered
-
-    # speculators: prepare-data's passthrough, then the training ArrowDataset (shuffled, keys dropped).
-    summary, loaded = run_loader("speculators", "--data", str(root / "tokenized/speculators"), "--tokenizer", str(tok_dir),
-                                 "--prepared", str(tmp_path / "prepared"), "--max-length", str(MAX_LENGTH))
-    assert summary["columns"] == ["input_ids", "loss_mask", "seq_len"]
-    assert Counter(json.dumps((r["input_ids"], r["loss_mask"])) for r in loaded) == multiset
-
-    # Parquet through datasets, directly and through the dataset card's configs, with the declared features.
     card = dataset_card({"rows_in": table.num_rows, "rows_out": result.table.num_rows, "dropped_by_reason": result.dropped},
                         {"profiles": ["parquet", "specforge", "speculators"], "max_length": MAX_LENGTH,
                          "min_loss_tokens": 32, "specforge_template": sf_template}, {"model_resolved": "test-model"})
     (root / "README.md").write_text(card)
     globs = ["tokenized/specforge/part-*.jsonl", "tokenized/specforge-conversations/part-*.jsonl",
              "tokenized/speculators/part-*.jsonl"]
-    summary, loaded = run_loader("parquet", "--root", str(root), "--json-globs", *globs)
-    assert summary["features"] == HF_FEATURES and summary["config_names"] == ["parquet"]
+    (sf_tok, sf_rows), (sp, sp_rows), (pq_sum, pq_rows), (conv_sum, conv_rows) = run_loaders([
+        ("specforge-tokens", ["--file", str(root / "tokenized/specforge/part-000000.jsonl"), "--max-length", str(MAX_LENGTH)]),
+        ("speculators", ["--data", str(root / "tokenized/speculators"), "--tokenizer", str(tok_dir),
+                         "--prepared", str(tmp_path / "prepared"), "--max-length", str(MAX_LENGTH)]),
+        ("parquet", ["--root", str(root), "--json-globs", *globs]),
+        ("specforge-conversations", ["--file", str(root / "tokenized/specforge-conversations/part-000000.jsonl"),
+                                     "--tokenizer", str(tok_dir), "--chat-template", sf_template,
+                                     "--max-length", str(MAX_LENGTH)]),
+    ])
+
+    # SpecForge, pre-tokenized path: every kept row, in order, exactly our ids and mask.
+    assert sf_tok["min_loss_tokens"] == 2 and sf_tok["loss_mask_filter"] == "has_consecutive_supervised_tokens"
+    assert [(r["input_ids"], r["loss_mask"]) for r in sf_rows] == ordered
+
+    # speculators: prepare-data's passthrough, then the training ArrowDataset (shuffled, keys dropped).
+    assert sp["columns"] == ["input_ids", "loss_mask", "seq_len"]
+    assert Counter(json.dumps((r["input_ids"], r["loss_mask"])) for r in sp_rows) == multiset
+
+    # Parquet through datasets, directly and through the dataset card's config, with the declared features;
+    # the JSONL profiles with the json builder.
+    assert pq_sum["features"] == HF_FEATURES and pq_sum["config_names"] == ["parquet"]
     n_conv = out.conversations.rows
-    assert summary["configs"] == dict(zip(globs, [len(ours), n_conv, len(ours)]))
-    assert {r["key"]: (r["input_ids"], r["loss_mask"]) for r in loaded} == ours
+    assert pq_sum["configs"] == dict(zip(globs, [len(ours), n_conv, len(ours)]))
+    assert {r["key"]: (r["input_ids"], r["loss_mask"]) for r in pq_rows} == ours
 
     # SpecForge, conversations path: its template re-renders and re-tokenizes the text.
     skipped = out.conversations.skipped
     assert skipped.get(SKIP_LENGTH) == 1
     assert skipped.get(SKIP_EMPTY_REASONING, 0) == (1 if thinking else 0)
-    summary, loaded = run_loader("specforge-conversations", "--file",
-                                 str(root / "tokenized/specforge-conversations/part-000000.jsonl"), "--tokenizer",
-                                 str(tok_dir), "--chat-template", sf_template, "--max-length", str(MAX_LENGTH))
-    entry = [json.loads(line) for line in (tmp_path / "specforge-conversations.dump.entry.jsonl").read_text().splitlines()]
-    per_row = [r for r in loaded if r["input_ids"] is not None]
-    assert Counter(json.dumps((r["input_ids"], r["loss_mask"])) for r in entry) == \
-        Counter(json.dumps((r["input_ids"], r["loss_mask"])) for r in per_row), "the entry point trains on these rows"
+    assert conv_sum["keyed_by"] == "entry" and conv_sum["entry_rows"] == n_conv, conv_sum  # SpecForge dropped none
     system_of = {k: c[0]["role"] == "system" for k, c in zip(kept_keys, result.table.column("conversation").to_pylist())}
     default_system = sf_template != "qwen3.5"  # specforge/data/template.py: qwen3.5's system_prompt is ""
     equal, differ = [], []
-    for r in loaded:
-        assert r["input_ids"] is not None, f"{r['key']}: SpecForge dropped an exported row"
+    for r in conv_rows:
         (equal if (r["input_ids"], r["loss_mask"]) == ours[r["key"]] else differ).append(r["key"])
-    expected_differ = {k for k in (r["key"] for r in loaded)
+    expected_differ = {k for k in (r["key"] for r in conv_rows)
                        if cases[k] == "noncanonical" or (default_system and not system_of[k])}
     assert set(differ) == expected_differ, (sorted(differ), sorted(expected_differ))
-    assert len(equal) == len(loaded) - len(expected_differ) and equal
+    assert len(equal) == n_conv - len(expected_differ) and equal
     # Non-canonical engine ids: when the tokenizer marks them, the export leaves them out, counted.
     marked = result.table.append_column("ids_canonical", pa.array([cases[k] != "noncanonical" for k in kept_keys]))
     out2 = build_profile_files(marked, 0, ["specforge"], thinking=thinking)
