@@ -232,7 +232,8 @@ def test_trainers_load_every_kept_row(template: str, thinking: bool, sf_template
     assert set(differ) == expected_differ, (sorted(differ), sorted(expected_differ))
     assert len(equal) == n_conv - len(expected_differ) and equal
     # Non-canonical engine ids: when the tokenizer marks them, the export leaves them out, counted.
-    marked = result.table.append_column("ids_canonical", pa.array([cases[k] != "noncanonical" for k in kept_keys]))
+    marked = result.table.set_column(result.table.schema.get_field_index("ids_canonical"), "ids_canonical",
+                                     pa.array([cases[k] != "noncanonical" for k in kept_keys]))
     out2 = build_profile_files(marked, 0, ["specforge"], thinking=thinking)
     assert out2.conversations.skipped.get(SKIP_NOT_CANONICAL) == 2
     assert out2.conversations.rows == n_conv - 2

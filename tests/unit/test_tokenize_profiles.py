@@ -126,7 +126,9 @@ def test_conversation_export_leaves_out_what_specforge_cannot_render_as_generate
     ok = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]
     rows = [row(f"k{i}", [0, 1, 1]) for i in range(6)]
     rows[4]["finish_reason"] = "length"
-    t = table(rows).append_column("ids_canonical", pa.array([True, True, True, True, True, False]))
+    t = table(rows)
+    t = t.set_column(t.schema.get_field_index("ids_canonical"), "ids_canonical",
+                     pa.array([True, True, True, True, True, False]))
     out = build_profile_files(t, 0, ["specforge"], thinking=True, conversations=[bad_order, empty_user, no_reasoning, ok, ok, ok])
     stats = out.conversations
     assert stats.skipped == {SKIP_ROLE_ORDER: 1, SKIP_EMPTY_CONTENT: 1, SKIP_EMPTY_REASONING: 1, SKIP_LENGTH: 1, SKIP_NOT_CANONICAL: 1}

@@ -100,7 +100,7 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         f"| prompts | {_fmt(gen.get('prompts', 'n/a'))} from `{gen.get('prompts_uri', 'n/a')}` |", "",
         "## Rows", "",
         "| figure | value |", "|---|---:|",
-        f"| training rows in | {_fmt(report.get('rows_in', 'n/a'))} |",
+        f"| completions rows in | {_fmt(report.get('rows_in', 'n/a'))} |",
         f"| training rows kept | {_fmt(report.get('rows_out', 'n/a'))} |",
         *(f"| dropped: {k} | {_fmt(v)} |" for k, v in sorted(dropped.items())),
         f"| rows cut at max_length {_fmt(max_length)} (kept) | {_fmt(report.get('truncated_to_max_length', 'n/a'))} |",
@@ -128,7 +128,8 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         "Parquet columns: `id`, `sample` (prompt and sample index), `turn` (0-based assistant turn), `key` "
         "(unique row key), `input_ids` (list<int32>), `loss_mask` (list<int8>, same length), `num_tokens`, "
         "`num_loss_tokens`, `truncated_to_max_length`, `finish_reason` (`stop` | `length`), `ids_source` "
-        "(`engine`: the engine's own ids; `retokenized`: re-encoded text, checked).", "",
+        "(`engine`: the engine's own ids; `retokenized`: re-encoded text, checked), `ids_canonical` (the generated "
+        "ids are the canonical encoding of their text, so a trainer re-tokenizing the text gets them back).", "",
         "## Train a drafter on it", "",
         "```python",
         "from datasets import load_dataset",

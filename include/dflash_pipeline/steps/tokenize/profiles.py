@@ -44,25 +44,13 @@ import pyarrow.parquet as pq
 from dflash_pipeline.config import TOKENIZE_PROFILES, ConfigError
 from dflash_pipeline.dataset.layout import CHUNK_DIGITS
 from dflash_pipeline.dataset.records import unit_key
+from dflash_pipeline.steps.tokenize.exact import TOKENIZED_SCHEMA
 
 PROFILES = TOKENIZE_PROFILES
 
-TRAINING_ROW_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("sample", pa.int32()),
-        ("turn", pa.int32()),
-        ("key", pa.string()),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("num_tokens", pa.int32()),
-        ("num_loss_tokens", pa.int32()),
-        ("truncated_to_max_length", pa.bool_()),
-        ("finish_reason", pa.string()),
-        ("ids_source", pa.string()),
-    ]
-)
-"""The training rows the tokenizer produces per completions part (one row per trained assistant turn)."""
+TRAINING_ROW_SCHEMA = TOKENIZED_SCHEMA
+"""The training rows the tokenizer produces per completions part (one row per trained assistant turn;
+exact.py says what each column is)."""
 
 # Hugging Face `datasets` features of TRAINING_ROW_SCHEMA, in the form datasets 5.x writes
 # (`Features.to_dict()`); the Parquet profile's schema metadata and the dataset card declare them.
