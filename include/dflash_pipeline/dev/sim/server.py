@@ -871,13 +871,27 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if obj.get("stream"):
             self._bad_request(STREAM_UNSUPPORTED_MSG)
             return None
-        max_tokens = obj.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = obj.get("max_tokens")
-        if max_tokens is not None and (isinstance(max_tokens, bool)
-                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+        config = self.server.sim.config
+        vllm = config.engine == "vllm"
+        if vllm:
+            missing = vllm_wire.model_error(obj.get("model"), str(config.served_model_name))
+            if missing:
+                self._error(404, missing, "NotFoundError")
+                return None
+        field = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = obj.get(field)
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or (max_tokens < 0 and not vllm)):
             self._bad_request("max_tokens must be a non-negative integer")
             return None
+        if vllm:
+            # vLLM refuses max_tokens above max_model_len or below 1, and clamps one that does not fit
+            # beside the prompt (see vllm_wire.check_max_tokens).
+            max_tokens, refused = vllm_wire.check_max_tokens(
+                field, max_tokens, lengths.count_prompt_tokens(messages), config.context_length)
+            if refused:
+                self._bad_request(refused)
+                return None
         kwargs = obj.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             self._bad_request("chat_template_kwargs must be an object")
