@@ -228,6 +228,37 @@ def test_token_ids_and_eos(target: Target, request: pytest.FixtureRequest) -> No
     assert seen == {"stop", "length"}
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+def test_text_is_the_ids_split_at_think_end(target: Target, thinking: bool) -> None:
+    """With --reasoning-parser qwen3, `reasoning` is the decoded ids before `</think>` and `content`
+    the decoded ids after it, as generated: its leading "\\n\\n" is kept, the EOS is not text. Cut
+    inside the thinking: all of it is `reasoning`, `content` is null."""
+    if target.tokenizer_dir is None:
+        pytest.skip("the simulator returns no token ids to decode (choices[].token_ids is null)")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(target.tokenizer_dir / "tokenizer.json"))
+    raws = chats(target, [chat_body(f"x{i}", thinking, max_tokens=80, seed=i) for i in range(16)])
+    kinds = set()
+    for raw in raws:
+        choice = raw["choices"][0]
+        ids, message = choice["token_ids"], choice["message"]
+        body = ids[:-1] if choice["finish_reason"] == "stop" else ids
+        if not thinking:
+            assert message["reasoning"] is None and message["content"] == tok.decode(body)
+            kinds.add("answer")
+        elif THINK_END in ids:
+            k = ids.index(THINK_END)
+            assert message["reasoning"] == tok.decode(ids[:k])
+            assert message["content"] == tok.decode(body[k + 1 :]) and message["content"].startswith("\n\n")
+            kinds.add("closed")
+        else:
+            assert choice["finish_reason"] == "length" and message["content"] is None
+            assert message["reasoning"] == tok.decode(ids)
+            kinds.add("cut in thinking")
+    assert kinds == ({"closed", "cut in thinking"} if thinking else {"answer"})
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime.\nJust one."}],

@@ -41,8 +41,19 @@ Design (a bigram model that vLLM really runs):
 * The prompt plays no part beyond its last token (the generation prompt's), so the shape does not
   depend on prompt length; the seed changes everything sampled.
 
-Measured on vLLM 0.32.0 (CPU) with ``python -m dflash_pipeline.dev.engine.measure shape``
-(see that module): MEASURED_SHAPE below.
+Measured on a real vLLM 0.32.0 (CPU build, ``--dtype float32``), 300 rows per mode, seeds 0..299,
+temperature 0.6, top_p 0.95, max_tokens 256 (``python -m dflash_pipeline.dev.engine.measure shape
+--rows 300``; the same counts came out of two runs on two server starts):
+
+* thinking on: 275 stop (91.7 %), 16 cut by ``length`` inside the thinking (5.3 %), 9 cut inside
+  the answer (3.0 %); reasoning (rows that closed it) 57.8 tokens mean, 35 median, 246 max;
+  answer of stopped rows (``\n\n`` to ``<|im_end|>``) 30.0 tokens mean; 98.7 completion tokens
+  per row; 104 rows (34.7 %) are not the canonical BPE encoding of their decoded text (a word-piece
+  pair). The design's prediction (:func:`predict`, 2,000 rows) is 91.4 % / 6.6 % / 2.1 % and 41 %.
+* thinking off: 300 stop, 27.0 tokens mean, every row canonical.
+
+The design is for temperature 0.6 / top_p 0.95 (and any top_k >= 20: vLLM applies the
+generation_config's ``top_k: 20`` when a request sends none); other sampling changes the rates.
 """
 
 from __future__ import annotations
