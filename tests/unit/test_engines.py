@@ -192,7 +192,7 @@ def test_sglang_load_from_v1_loads_and_from_get_load_on_older_servers() -> None:
     assert sglang_load([{"dp_rank": 0, "num_reqs": 4, "num_waiting_reqs": 1}]) == 4
     assert sglang_load({"loads": []}) is None
 
-    class Old(BaseHTTPRequestHandler):  # SGLang < 0.5.9 shape: /get_load only, /v1/loads is 404
+    class Old(BaseHTTPRequestHandler):  # a server with /get_load only (/v1/loads answers 404)
         hits: list[str] = []
 
         def do_GET(self) -> None:  # noqa: N802
