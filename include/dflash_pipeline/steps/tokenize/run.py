@@ -264,11 +264,14 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     missing = [c for c in parts if c not in done]
     rows_out = total["rows_out"]
     dropped = counts["dropped"]
+    pinned = _get_json(store, layout.tokenized_settings_key) or {}
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
         "status": "complete" if not missing and not missing_stats else "incomplete",
         "settings": dataset.get("settings"),
+        "provenance": pinned.get("provenance"),
+        "specforge_template": pinned.get("specforge_template"),
         "parts": len(parts),
         "parts_tokenized": len(parts) - len(missing),
         "missing_parts": missing[:100],
