@@ -168,7 +168,14 @@ def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
           f"loss_on_reasoning {s['loss_on_reasoning']}, train_eot_newline {s['train_eot_newline']}")
     for profile, files in (report.get("files") or {}).items():
         for kind, key in files.items():
-            print(f"        {profile:11s} s3://{BUCKET}/{key}  ({kind}, {report['profiles'][profile]['rows']:,} rows)")
+            figures = report["profiles"][profile]
+            if kind == "conversations":
+                conv = figures.get("specforge_conversations") or {}
+                left = ", ".join(f"{k} {v:,}" for k, v in sorted((conv.get("skipped") or {}).items())) or "none"
+                count = f"{conv.get('rows', 0):,} rows; left out: {left}"
+            else:
+                count = f"{figures['rows']:,} rows"
+            print(f"        {profile:11s} s3://{BUCKET}/{key}  ({kind}, {count})")
     print(f"        card        s3://{BUCKET}/{layout.dataset_card_key} (datasets.load_dataset(<root>, \"parquet\"))")
     print(f"        report      s3://{BUCKET}/{layout.tokenized_report_md_key}")
     return report["status"] == "complete"
