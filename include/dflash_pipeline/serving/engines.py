@@ -17,8 +17,10 @@ Checked against vLLM's source: `entrypoints/openai/engine/protocol.py` (ErrorRes
 `entrypoints/openai/chat_completion/protocol.py` (ChatMessage `content: str | None`,
 `reasoning: str | None`; `chat_template_kwargs` is a top-level request field),
 `v1/metrics/loggers.py` (`/metrics` gauges: `vllm:num_requests_running`/`_waiting` are load,
-not capacity; the only config info gauge is `vllm:cache_config_info`, CacheConfig labels such as
-`num_gpu_blocks` and `block_size`: the scheduler's `max_num_seqs` is not exposed).
+not capacity; `vllm:kv_cache_usage_perc` (1 = full; `vllm:gpu_cache_usage_perc` before 0.9) is
+the KV cache in use; the only config info gauge is `vllm:cache_config_info`, CacheConfig labels
+such as `num_gpu_blocks` and `block_size`: the scheduler's `max_num_seqs` is not exposed, which
+is why serving/concurrency.py discovers it from the load).
 """
 
 from __future__ import annotations
@@ -115,17 +117,46 @@ def is_error_body(parsed: Any) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class LoadSample:
+    """What a server's load endpoint says at one moment: requests in its running batch, requests
+    waiting in its queue (both summed over DP ranks / engines), and the share of its KV cache in
+    use when it publishes one (vLLM; None otherwise)."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None = None
+
+    @property
+    def held(self) -> int:
+        """Requests the server holds (running + waiting): what the deadline rules compare with ours."""
+        return self.running + self.waiting
+
+
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+_KV_USAGE = re.compile(r"^vllm:(kv_cache_usage_perc|gpu_cache_usage_perc)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def vllm_load(metrics_text: str) -> int | None:
-    """Requests a vLLM server holds (running + waiting, summed over engines) from `/metrics`."""
+def vllm_load_sample(metrics_text: str) -> LoadSample | None:
+    """Running and waiting requests (summed over engines) and KV cache usage (the fullest engine's)
+    from a vLLM `/metrics` text; None when the load gauges are missing."""
     found = _GAUGE.findall(metrics_text)
     if not found:
         return None
-    return int(sum(float(v) for _, v in found))
+    running = sum(float(v) for name, v in found if name.endswith("running"))
+    waiting = sum(float(v) for name, v in found if name.endswith("waiting"))
+    usages = _KV_USAGE.findall(metrics_text)
+    pick = "kv_cache_usage_perc" if any(n == "kv_cache_usage_perc" for n, _ in usages) else "gpu_cache_usage_perc"
+    values = [float(v) for n, v in usages if n == pick]  # one per engine: the fullest one limits
+    return LoadSample(int(running), int(waiting), max(values) if values else None)
+
+
+def vllm_load(metrics_text: str) -> int | None:
+    """Requests a vLLM server holds (running + waiting, summed over engines) from `/metrics`."""
+    sample = vllm_load_sample(metrics_text)
+    return None if sample is None else sample.held
 
 
 def vllm_kv_tokens(metrics_text: str) -> int | None:
@@ -140,13 +171,24 @@ def vllm_kv_tokens(metrics_text: str) -> int | None:
         return None
 
 
-def sglang_load(payload: Any) -> int | None:
-    """Requests an SGLang server holds, from `/get_load` (a list per DP rank, or one dict)."""
+def sglang_load_sample(payload: Any) -> LoadSample | None:
+    """Running and waiting requests of an SGLang server, from `/get_load` (a list per DP rank, or
+    one dict): `num_reqs` is a rank's running + waiting, `num_waiting_reqs` the waiting part."""
     items = payload if isinstance(payload, list) else [payload]
-    total = 0
+    held = waiting = 0
     seen = False
     for item in items:
         if isinstance(item, dict) and isinstance(item.get("num_reqs"), (int, float)):
-            total += int(item["num_reqs"])
+            n = int(item["num_reqs"])
+            w = item.get("num_waiting_reqs")
+            w = min(n, int(w)) if isinstance(w, (int, float)) and not isinstance(w, bool) else 0
+            held += n
+            waiting += w
             seen = True
-    return total if seen else None
+    return LoadSample(held - waiting, waiting) if seen else None
+
+
+def sglang_load(payload: Any) -> int | None:
+    """Requests an SGLang server holds, from `/get_load` (a list per DP rank, or one dict)."""
+    sample = sglang_load_sample(payload)
+    return None if sample is None else sample.held

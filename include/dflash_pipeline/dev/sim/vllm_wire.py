@@ -16,8 +16,13 @@ Checked against vLLM's source (vllm-project/vllm, main):
   ``chat_template_kwargs`` is a top-level field; unknown fields (``separate_reasoning``) are
   ignored with a warning.
 * ``vllm/v1/metrics/loggers.py``: ``/metrics`` in Prometheus text; ``vllm:num_requests_running``,
-  ``vllm:num_requests_waiting`` (gauges), ``vllm:cache_config_info`` (info gauge with CacheConfig
-  labels, e.g. ``num_gpu_blocks``, ``block_size``); no gauge carries ``max_num_seqs``.
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (gauges; usage 1 = full),
+  ``vllm:cache_config_info`` (info gauge with CacheConfig labels, e.g. ``num_gpu_blocks``,
+  ``block_size``); no gauge carries ``max_num_seqs``. The slot count (``max_running_requests``,
+  vLLM's ``--max-num-seqs``) is therefore hidden on this wire, as on vLLM's: only the sim-only
+  ``/sim/stats`` and ``/sim/config`` show it, and ``POST /sim/config`` changes it at run time
+  (running requests above a lowered figure finish; new ones wait), which stands for a vLLM server
+  whose effective batch shrinks (KV-cache pressure).
 * Context-length 400s: "This model's maximum context length is N tokens. However, your request
   has M input tokens. ..." and "'max_tokens' or 'max_completion_tokens' is too large: ...".
 * There is no ``/get_server_info``, ``/server_info``, ``/get_load`` or ``/health_generate``
@@ -119,8 +124,9 @@ def models_body(served_model_name: str, model_path: str, created: int, context_l
     }]}
 
 
-def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_size: int = 16) -> str:
-    """The part of vLLM's Prometheus exposition a client can use (load and KV cache config)."""
+def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_size: int = 16,
+                 kv_usage: float = 0.0) -> str:
+    """The part of vLLM's Prometheus exposition a client can use (load, KV cache use and config)."""
     label = f'engine="0",model_name="{model}"'
     return (
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -129,6 +135,9 @@ def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_s
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
         f"vllm:num_requests_waiting{{{label}}} {float(waiting)}\n"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{{{label}}} {float(kv_usage)}\n"
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
         "# TYPE vllm:cache_config_info gauge\n"
         f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",'
@@ -151,7 +160,9 @@ class VllmEndpoints:
                                          int(self.sim.created_t), config.context_length))
 
     def _vllm_metrics(self, _body: bytes) -> None:
-        running, waiting, _ = self.sim._sched.load()
+        running, waiting, tokens = self.sim._sched.load()
         config = self.sim.config
-        text = metrics_text(config.served_model_name, running, waiting, config.max_total_num_tokens // 16)
+        usage = min(1.0, tokens / config.max_total_num_tokens) if config.max_total_num_tokens > 0 else 0.0
+        text = metrics_text(config.served_model_name, running, waiting, config.max_total_num_tokens // 16,
+                            kv_usage=round(usage, 4))
         self._send(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")  # type: ignore[attr-defined]
