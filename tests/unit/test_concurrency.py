@@ -200,6 +200,20 @@ def test_503_cuts_the_queue_once_per_window_and_never_the_batch() -> None:
     assert all(b >= a for a, b in zip(seen, seen[1:])), seen
 
 
+def test_503_cuts_to_what_the_server_holds_when_it_just_shrank() -> None:
+    """The server dropped to 32 slots and a queue of 20 while 105 of ours were out: one cut to what
+    it holds (52), not a quarter per window; the limit never goes below what it runs."""
+    ctl, clock = controller(64, declared=True)
+    for _ in range(100):
+        ctl.on_completion(100, 0.4)  # 100 completions/s: 64 + 16 + 25 = 105 in flight
+    assert ctl.limit == 105
+    for _ in range(40):
+        ctl.on_rejection(503)
+    clock.t += 0.5
+    ctl.on_probe(LoadSample(32, 20), ours=105)
+    assert ctl.limit == 52 and ctl.snapshot()["ceiling"] == 52
+
+
 def test_429_on_a_generic_server_backs_off_multiplicatively() -> None:
     ctl, clock = controller(16, probing=False)
     limits = [ctl.limit]
@@ -325,3 +339,49 @@ def test_change_log_is_bounded(probing: bool) -> None:
         ctl.on_probe(LoadSample(3, 0) if probing else None, ours=1)
     changes = ctl.snapshot()["changes"]
     assert len(changes) <= 64 and changes[0][4].startswith("assumed")
+
+
+def test_the_gate_holds_an_attempt_until_one_of_ours_ends() -> None:
+    """ServerWatch.begin waits under the pilot's limit: with 2 out and a limit of 2, a third attempt
+    (a retry after a 503, say) goes out only once one of the two has ended."""
+    import threading
+
+    from dflash_pipeline.serving.deadline import DeadlinePolicy, ServerWatch
+
+    watch = ServerWatch(DeadlinePolicy(request_timeout_s=60), None)
+    limit = [2]
+    watch.set_gate(lambda: limit[0])
+    first, second = watch.begin(), watch.begin()
+    began = threading.Event()
+    third: list[int] = []
+
+    def attempt() -> None:
+        third.append(watch.begin())
+        began.set()
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    assert not began.wait(0.3) and watch.outstanding() == 2
+    watch.end(first)
+    assert began.wait(5) and watch.outstanding() == 2
+    watch.set_gate(None)  # no gate (concurrency_per_server, or the pilot stopped): never waits
+    watch.begin()
+    assert watch.outstanding() == 3
+    t.join(5)
+    del second
+
+
+def test_the_request_pool_grows_to_the_limit_and_runs_on_the_new_threads() -> None:
+    import threading
+
+    from dflash_pipeline.steps.generate.pool import RequestPool
+
+    together = threading.Barrier(5)  # passes only when five requests are running at once
+    pool = RequestPool(2, lambda session, item: (together.wait(timeout=10), item)[1], lambda: object())
+    pool.ensure(5)
+    pool.ensure(3)  # never shrinks
+    assert pool.size == 5
+    for i in range(5):
+        pool.submit(i)
+    assert sorted(pool.out.get(timeout=15) for _ in range(5)) == [0, 1, 2, 3, 4]
+    pool.close()

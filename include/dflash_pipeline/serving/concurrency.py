@@ -28,7 +28,8 @@ Rules (each evaluated at a probe):
   being prefilled is not a smaller capacity). The limit never goes below what the server runs.
 - **Room** (nothing waiting, at least `slots` running, our outstanding requests at the limit, KV
   cache below `kv_full`): grow slots to max(R, slots x factor): x2 until the server was first seen
-  saturated (or its capacity was declared), x1.25 after; at most one step per probe interval.
+  saturated (or its capacity was declared), probing every `ramp_probe_every_s` (0.25 s) then,
+  x1.25 after; at most one step per probe interval.
 - **Latency per token** (every engine): a growth step is judged once both it and the level it
   grew from have `latency_min_samples` completions (of at least `min_latency_tokens` tokens and
   half the median length, so short answers' prefill share does not skew it). When less than
@@ -46,7 +47,8 @@ Rules (each evaluated at a probe):
 Stability: every decrease is to a figure the server was seen running (or to a queue the server
 accepted), so a back-off trims the queue, never the batch; growth needs the server to show room
 at the current limit; holds stop a rejected or too-slow level from being retried for a while.
-Cost: one GET of the load endpoint per `probe_every_s` (0.5 s) per server, none for a generic one.
+Cost: one GET of the load endpoint per `probe_every_s` (0.5 s) per server (per 0.25 s during the
+first slow start, which takes a few probes), none for a generic one.
 
 Thread safety: `on_completion` / `on_rejection` come from request threads, `on_probe` from the
 pilot's thread, `limit` / `snapshot` from main and the claimer; everything is under one lock.
@@ -75,6 +77,7 @@ class ConcurrencyPolicy:
     cap: int = 1024
     min_limit: int = 1
     probe_every_s: float = 0.5
+    ramp_probe_every_s: float = 0.25  # until the server is first seen saturated (slow start)
     slow_start_factor: float = 2.0
     growth_factor: float = 1.25
     queue_share: float = 0.25
@@ -149,6 +152,11 @@ class ConcurrencyController:
         self.reason = "declared by the server" if declared else "assumed (the server does not tell)"
         self._history: list[list[Any]] = []
         self._note(now, self.reason)
+
+    def begin(self) -> None:
+        """Dispatch starts now: the completion rate is measured from here (not from construction)."""
+        with self._lock:
+            self._t0 = self._clock()
 
     # -- observations (any thread) --------------------------------------------------------------
     def on_completion(self, tokens: int | None, latency_s: float) -> None:
@@ -285,8 +293,14 @@ class ConcurrencyController:
         self._set_ceiling(now, min(cut, limit), self.policy.reject_hold_s,
                           f"the server refused requests ({what}): limit cut to {min(cut, limit)}", "refused")
 
+    @property
+    def probe_every_s(self) -> float:
+        """How soon the next probe is due: faster while slow start is still finding the slots."""
+        ramping = self.probing and not self._seen_saturated
+        return self.policy.ramp_probe_every_s if ramping else self.policy.probe_every_s
+
     def _growth_allowed(self, now: float, limit: int) -> bool:
-        if now - self._last_growth_t < self.policy.probe_every_s * 0.99:
+        if now - self._last_growth_t < self.probe_every_s * 0.99:
             return False
         if self._careful and any(lv.base is not None and not lv.judged for lv in self._levels):
             return False  # latency mattered here before: the last step is judged first

@@ -68,6 +68,7 @@ class ConcurrencyPilot:
     def start(self) -> None:
         if self._thread is not None:
             return
+        self.controller.begin()
         self.watch.add_listener(self.controller)
         self.watch.set_gate(lambda: self.controller.limit)
         self._thread = threading.Thread(target=self._run, name=f"pilot-{self.name}"[:60], daemon=True)
@@ -82,14 +83,13 @@ class ConcurrencyPilot:
 
     def tick(self) -> None:
         """One observation: the server's load (a probe at most half an interval old) and ours."""
-        every = self.controller.policy.probe_every_s
+        every = self.controller.probe_every_s
         answered, sample = self.watch.sample(max_age_s=every / 2) if self.watch.probing else (False, None)
         self.controller.on_probe(sample if answered else None, self.watch.outstanding())
 
     def _run(self) -> None:
-        every = self.controller.policy.probe_every_s
         last_reason = self.controller.reason
-        while not self._stop.wait(every):
+        while not self._stop.wait(self.controller.probe_every_s):
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - the limit then stays where it is; never the task's failure
