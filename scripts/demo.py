@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The demo: the whole pipeline on this machine, with nothing but the venv.
 
-Starts a local stack (moto S3, 3 simulated SGLang servers, Airflow with LocalExecutor), uploads
+Starts a local stack (moto S3, 3 simulated servers "serving" Qwen's real BPE with a Qwen3.6-style chat
+template: SGLang's wire as of a version that returns no token ids, SGLang's and vLLM's wire returning
+them; Airflow with LocalExecutor), uploads
 data/sample_prompts.jsonl, triggers ``dflash_generate`` through the ``airflow dags trigger`` CLI,
 follows the run, prints the report, the UI link, the S3 paths and the exact
 ``AIRFLOW_HOME=... .venv/bin/airflow ...`` line for the CLI against this stack, then stops everything it
@@ -37,7 +39,7 @@ log = logging.getLogger("demo")
 BUCKET = "dflash-demo"
 PROMPTS_KEY = "prompts/sample_prompts.jsonl"
 OUTPUT_PREFIX = "runs/demo"
-TOKENIZER_PREFIX = "models/sim-tokenizer"
+TOKENIZER_PREFIX = "models/qwen-bpe"
 DAG_ID = "dflash_generate"
 MODEL = "Qwen/Qwen3-8B"
 
@@ -160,8 +162,12 @@ def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
           f"{len(shards)} shards, {report['rows_out']:,} rows ({report['rows_dropped']:,} dropped: "
           f"{report['dropped_by_reason']}), {report['tokens']:,} tokens, {report['loss_tokens']:,} with loss "
           f"({report['loss_token_share']:.1%}), {report['truncated_to_max_length']:,} cut at max_length {s['max_length']}")
+    src = report.get("ids_source") or {}
+    print(f"        one row per regenerated turn: {src.get('engine', 0):,} built from the engine's own token ids "
+          f"(return_token_ids), {src.get('retokenized', 0):,} re-encoded and checked against the engine's "
+          f"counts (the server without ids); {report['unverified']:,} failed that check")
     print(f"        tokenizer {s['tokenizer']} (validation's), train_turns {s['train_turns']}, "
-          f"loss_on_reasoning {s['loss_on_reasoning']}")
+          f"loss_on_reasoning {s['loss_on_reasoning']}, train_eot_newline {s['train_eot_newline']}")
     print(f"        shards  s3://{BUCKET}/{layout.tokenized_prefix}part-*.parquet (id, sample, input_ids, loss_mask, ...)")
     print(f"        export  s3://{BUCKET}/{layout.export_conversations_prefix}part-*.jsonl (SpecForge conversations)")
     print(f"        report  s3://{BUCKET}/{layout.tokenized_report_md_key}")
@@ -172,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run dflash_generate end to end on a local stack.")
     parser.add_argument("--keep", action="store_true", help="keep the stack running until Ctrl-C")
     parser.add_argument("--prompts", type=Path, default=REPO / "data" / "sample_prompts.jsonl")
-    parser.add_argument("--servers", type=int, default=3, help="simulated SGLang servers")
+    parser.add_argument("--servers", type=int, default=3,
+                        help="simulated servers (the first two on SGLang's wire, the first without token ids; "
+                        "the others on vLLM's)")
     parser.add_argument("--length-scale", type=float, default=0.05, help="simulated completion length factor")
     parser.add_argument("--token-time-s", type=float, default=0.002, help="simulated seconds per token")
     parser.add_argument("--save-every", type=int, default=100)
@@ -203,16 +211,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.home.exists():
         shutil.rmtree(args.home)
+    # Qwen's real BPE (built from the dashscope wheel on PyPI) with a Qwen3.6-style template: the
+    # simulated servers render and encode with it as an engine serving that model would (vLLM-wire
+    # servers return their token ids), validation recounts with it and tokenization builds from it.
+    from dflash_pipeline.dev.qwen_tokenizer import copy_with_template, ensure_qwen_tokenizer
+
+    tok_dir = copy_with_template(args.home / "tokenizer", "qwen3.6", source=ensure_qwen_tokenizer())
     stack = Stack(
         args.home, REPO / "dags", REPO / "plugins",
         sim_count=args.servers,
-        sim_settings={"length_scale": args.length_scale, "token_time_s": args.token_time_s},
+        sim_settings={"length_scale": args.length_scale, "token_time_s": args.token_time_s,
+                      "tokenizer_dir": str(tok_dir)},
+        sim_extra_args=["--server-set", "0:token_ids_supported=false",
+                        *(a for i in range(2, args.servers) for a in ("--server-set", f"{i}:engine=vllm"))],
         buckets=[BUCKET],
         wait_for_dags=(DAG_ID,),
     )  # fmt: skip
     prompts_uri = f"s3://{BUCKET}/{PROMPTS_KEY}"
     output_uri = f"s3://{BUCKET}/{OUTPUT_PREFIX}"
-    print(f"Starting moto S3, {args.servers} simulated SGLang servers and Airflow under {args.home} ...", flush=True)
+    print(f"Starting moto S3, {args.servers} simulated servers (SGLang without token ids, SGLang, "
+          f"{max(0, args.servers - 2)} vLLM) and Airflow under {args.home} ...", flush=True)
     t0 = time.monotonic()
     state: str | None = None
     tokenized = False
@@ -223,10 +241,6 @@ def main(argv: list[str] | None = None) -> int:
             stack.s3().upload_file(str(args.prompts), BUCKET, PROMPTS_KEY)
             print(f"Uploaded {args.prompts.relative_to(REPO) if args.prompts.is_relative_to(REPO) else args.prompts}"
                   f" -> {prompts_uri}")
-            # The simulator's own tokenizer (exact for its texts): validation recounts tokens with it.
-            from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
-
-            tok_dir = build_sim_tokenizer(args.home / "tokenizer")
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
             conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,

@@ -100,16 +100,22 @@ def aws_conn_env(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> di
 def sim_fleet() -> Iterator[Callable[..., SimFleet]]:
     """Factory for in-process simulated SGLang fleets, stopped after the test.
 
-    ``sim_fleet(count=1, **overrides)`` starts ``SimFleet.uniform(count, **overrides)`` (the
+    ``sim_fleet(count=1, engines=None, **overrides)`` starts ``SimFleet.uniform(count, **overrides)`` (the
     overrides are ``SimConfig`` fields, e.g. ``token_time_s=0.001, length_scale=0.05``) and returns
     it started: ``.urls`` (base URLs), ``.servers`` (``SimServer`` objects: ``.url``, ``.stats()``...).
+    ``engines=["vllm", "sglang"]`` starts one server per entry with that wire flavour instead.
     """
     from dflash_pipeline.dev.sim import SimFleet  # lazy: the simulator is optional for most tests
 
     fleets: list[SimFleet] = []
 
-    def start(count: int = 1, **overrides: Any) -> SimFleet:
-        fleet = SimFleet.uniform(count, **overrides).start()
+    def start(count: int = 1, engines: list[str] | None = None, **overrides: Any) -> SimFleet:
+        from dflash_pipeline.dev.sim import SimConfig
+
+        if engines is None:
+            fleet = SimFleet.uniform(count, **overrides).start()
+        else:  # server i speaks engines[i]'s wire
+            fleet = SimFleet(SimConfig(**{**overrides, "engine": e}) for e in engines).start()
         fleets.append(fleet)
         return fleet
 

@@ -90,7 +90,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "minimum": 1,
         "maximum": 4096,
         "description": "Requests in flight per server, used as given. Null = discovered from each "
-        "server's live load (vLLM /metrics, SGLang /get_load, or the latency of a generic server's "
+        "server's live load (vLLM /metrics, SGLang /v1/loads, or the latency of a generic server's "
         "answers), starting from SGLang's max_running_requests (16 for vLLM and generic servers), "
         "plus a small queue, so slots never wait for the client and requests do not queue long "
         "enough to eat into request_timeout_s.",
@@ -509,8 +509,9 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "string",
         "enum": ["all", "last"],
         "default": "all",
-        "description": "Which assistant turns carry loss: 'all' of them (each with its reasoning), or only "
-        "the 'last'. Everything else (system, user, untrained turns, headers) has loss_mask 0.",
+        "description": "Which regenerated assistant turns become training rows: 'all' (one row per turn, its "
+        "context exactly what that turn's request carried), or only the 'last'. Only tokens the model "
+        "generated carry loss; answers copied from the input are context, never trained.",
         "section": SECTION_TOKENIZE,
     },
     "loss_on_reasoning": {
@@ -525,6 +526,22 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": False,
         "description": "Drop rows whose generation stopped at max_tokens (finish_reason 'length'); counted "
         "in the report either way.",
+        "section": SECTION_TOKENIZE,
+    },
+    "train_eot_newline": {
+        "type": "boolean",
+        "default": True,
+        "description": "Append the template's text after the end-of-turn token the model emitted (ChatML's "
+        "newline after <|im_end|>) and train it, as SpecForge's mask does; false leaves it out. The "
+        "end-of-turn token itself is always trained; a turn cut at max_tokens has neither.",
+        "section": SECTION_TOKENIZE,
+    },
+    "keep_unverified": {
+        "type": "boolean",
+        "default": False,
+        "description": "Keep turns whose engine returned no token ids and whose re-encoded text does not match "
+        "the engine's token counts (counted and named in the report either way). Off: they stay out "
+        "of the shards.",
         "section": SECTION_TOKENIZE,
     },
     "workers": {
@@ -556,6 +573,8 @@ class TokenizeConfig:
     train_turns: str = "all"
     loss_on_reasoning: bool = True
     drop_truncated: bool = False
+    train_eot_newline: bool = True
+    keep_unverified: bool = False
     workers: int = 4
     aws_conn_id: str = "aws_default"
 

@@ -249,13 +249,16 @@ def test_the_audit_sees_original_answers_in_last_turn_mode(s3_client: Any, bucke
     assert report["turns_generated"] == 20 and report["multi_turn_rows"] == 0
 
 
-@pytest.mark.timeout(120)
-def test_regenerated_conversations_tokenize_with_masks_on_every_regenerated_turn(
+@pytest.mark.timeout(180)
+def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids(
     s3_client: Any, bucket: str, sim_fleet: Any, qwen_tokenizer: Path
 ) -> None:
-    """The two halves of issue 14 together: parts the generate step wrote in all_turns mode, fed to
-    the tokenize step with Qwen's real BPE. Every regenerated answer is under the loss mask (once),
-    no user or system text is, and decode(input_ids) is the whole conversation."""
+    """Parts the generate step wrote in all_turns mode, fed to the tokenize step with Qwen's real BPE,
+    the servers serving that tokenizer (one vLLM-wire server returning its token ids, one SGLang-wire
+    server of a version that returns none). Every regenerated turn is one training row: its context is exactly the
+    ids its request had, its trained tokens exactly the ids generated (engine ids kept as they are,
+    re-encoded ones checked against the engine's counts), no user or system text and no original
+    answer is trained, and no earlier turn's reasoning is in any context."""
     import io
 
     import pyarrow.parquet as pq
@@ -264,33 +267,62 @@ def test_regenerated_conversations_tokenize_with_masks_on_every_regenerated_turn
     from dflash_pipeline.config import TokenizeConfig
     from dflash_pipeline.steps.tokenize import plan, run_assignment, write_report
 
-    fleet = sim_fleet(2, **SIM)
+    fleet = sim_fleet(engines=["vllm", "sglang"], tokenizer_dir=str(qwen_tokenizer), noncanonical_rate=0.05, **SIM)
+    # The SGLang-wire server plays a version older than 0.5.17 (no token ids). Without engine ids a
+    # non-canonical generation cannot be told from a mangled one (the count check refuses it:
+    # tests/unit/test_tokenize_exact.py), so that server samples canonically.
+    fleet.servers[1].update_config(noncanonical_rate=0.0, token_ids_supported=False)
     run = Run(s3_client, bucket, fleet.urls, n=30, save_every=10, samples=2)
     assert all(isinstance(r, dict) for r in run.run_all([run.worker(i) for i in range(2)]))
-    _, rows = run.check()
+    report_v, rows = run.check()
+    turns = sum(len(r["turns"]) for r in rows)
     planned = plan(s3_client, [run.cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), workers=2))
     for a in planned["assignments"]:
         run_assignment(s3_client, a)
     report = write_report(s3_client, planned["datasets"][0])
-    assert report["rows_in"] == report["rows_out"] == 60
+    with_ids = [r for r in rows if r["output_token_ids"] is not None]
+    assert 0 < len(with_ids) < len(rows), "both engines served conversations"
+    assert report["rows_in"] == 60 and report["dropped_by_reason"] == {}, (report["dropped_by_reason"], report["unverified_examples"][:5])
+    assert report["rows_out"] == turns
+    assert report["ids_source"] == {"engine": sum(len(r["turns"]) for r in with_ids),
+                                    "retokenized": turns - sum(len(r["turns"]) for r in with_ids)}
+    assert report["unverified"] == 0 and report["prompt_template_differs"] == 0
 
     by_key = {(r["id"], r["sample"]): r for r in rows}
     tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
+    newline = tok.encode("\n", add_special_tokens=False).ids
     seen = 0
+    noncanonical = 0
     for c in range(len(run.manifest["chunks"]["sizes"])):
         table = pq.read_table(io.BytesIO(run.store.get(run.layout.tokenized_part_key(c))[0]))
         for row in table.to_pylist():
             src = by_key[(row["id"], row["sample"])]
-            text = tok.decode(row["input_ids"], skip_special_tokens=False)
-            trained = tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m], skip_special_tokens=False)
-            answers = [m for m in src["conversation"] if m["role"] == "assistant"]
-            assert trained.count("<|im_end|>") == len(answers) == len(src["turns"])
-            for m in answers:
-                assert m["content"] in trained and text.count(m["content"]) >= 1
-                assert not m["reasoning"] or m["reasoning"] in trained
+            k = row["turn"]
+            answer = [m for m in src["conversation"] if m["role"] == "assistant"][k]
+            ids, mask = row["input_ids"], row["loss_mask"]
+            n_prompt = mask.index(1)
+            assert all(mask[n_prompt:]) and not any(mask[:n_prompt])
+            context = tok.decode(ids[:n_prompt], skip_special_tokens=False)
+            trained = tok.decode(ids[n_prompt:], skip_special_tokens=False)
+            if src["output_token_ids"] is not None:
+                assert row["ids_source"] == "engine"
+                out = list(src["output_token_ids"][k])
+                assert ids[:n_prompt] == list(src["prompt_token_ids"][k])
+                assert ids[n_prompt:] == out + (newline if src["turns"][k]["finish_reason"] == "stop" else [])
+                noncanonical += tok.encode(tok.decode(out, skip_special_tokens=False), add_special_tokens=False).ids != out
+            else:
+                assert row["ids_source"] == "retokenized"
+                assert n_prompt == src["turns"][k]["prompt_tokens"]
+                assert len(ids) - n_prompt == src["turns"][k]["completion_tokens"] + (
+                    len(newline) if src["turns"][k]["finish_reason"] == "stop" else 0)
+            assert answer["content"].strip() in trained
+            assert not answer["reasoning"] or answer["reasoning"].strip() in trained
+            for earlier in [m for m in src["conversation"] if m["role"] == "assistant"][:k]:
+                assert earlier["content"] in context
+                assert not earlier["reasoning"] or earlier["reasoning"].strip() not in context
             for m in src["conversation"]:
                 if m["role"] != "assistant":
-                    assert m["content"] in text and m["content"] not in trained
-            assert "ORIGINAL" not in text, "an original answer reached the trainer"
+                    assert m["content"] not in trained
+            assert "ORIGINAL" not in context + trained, "an original answer reached the trainer"
             seen += 1
-    assert seen == 60
+    assert seen == turns and noncanonical > 0

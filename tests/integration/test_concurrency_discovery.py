@@ -93,7 +93,7 @@ def test_vllm_flavour_hides_its_slots_and_changes_them_at_run_time() -> None:
         for path in ("/health", "/version", "/metrics", "/v1/models"):
             body = requests.get(url + path, timeout=5).text
             assert "max_running_requests" not in body and "max_num_seqs" not in body, path
-        for path in ("/get_server_info", "/server_info", "/get_load"):
+        for path in ("/get_server_info", "/server_info", "/get_load", "/v1/loads"):
             assert requests.get(url + path, timeout=5).status_code == 404, path
         got = requests.post(url + "/sim/config", json={"max_running_requests": 32}, timeout=5).json()
         assert got["config"]["max_running_requests"] == 32 and fleet.servers[0].stats()["capacity_slots"] == 32

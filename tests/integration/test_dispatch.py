@@ -70,6 +70,7 @@ class Run:
             "sampling": self.cfg.sampling,
             "concurrency": int(info["concurrency"]),
             "poll_s": 0.2,
+            "engine": info.get("engine") or "sglang",
         }
         values.update(overrides)
         return WorkerSettings(**values)

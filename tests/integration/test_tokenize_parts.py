@@ -1,7 +1,8 @@
 """The tokenize step against a real S3 protocol server (moto over HTTP): parts, resume, racing workers.
 
-The dataset mixes today's parts (messages + the answer) and parts with the generate step's new
-columns (`sample`, `conversation`), and includes error rows, which are always dropped.
+The dataset mixes parts of the oldest shape (messages + the answer + usage, re-encoded and checked)
+and all_turns parts with the generate step's newer columns (`sample`, `conversation`, `turns`, the
+engine's token ids for sample 0, none for sample 1), and includes error rows, which are always dropped.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ import pytest
 from dflash_pipeline.config import ConfigError, TokenizeConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import PART_SCHEMA, encode_part
+from dflash_pipeline.dev.sim.rows import engine_row
+from dflash_pipeline.dev.sim.tokens import SimTokenModel
 from dflash_pipeline.steps.tokenize import TokenizeFailed, plan, run_assignment, write_report
 
-NEW_SCHEMA = PART_SCHEMA  # sample and conversation included (issue 14 generate half)
+OLD_ABSENT = ("sample", "conversation", "original_messages", "turns", "cut_short", "cached_tokens", "prompt_token_ids",
+              "output_token_ids")
+"""Columns a part written before multi-turn regeneration and engine ids does not have."""
+
 PARTS = 5
 ROWS = 12
 
 
-def _old_rows(c: int) -> list[dict[str, Any]]:
+def _old_rows(tm: SimTokenModel, c: int) -> list[dict[str, Any]]:
+    """Parts written before conversation/turns/ids existed: messages + the answer + usage."""
     rows = []
     for i in range(ROWS):
         pid = f"p{c}-{i}"
@@ -34,23 +41,24 @@ def _old_rows(c: int) -> list[dict[str, Any]]:
             rows.append({"id": pid, "messages": [{"role": "user", "content": "x"}], "error_class": "ContextLength",
                          "error_message": "too long", "chunk": c})
             continue
-        rows.append({"id": pid, "messages": [{"role": "user", "content": f"Explain item {i} of part {c}, please."}],
-                     "reasoning": f"The user wants item {i}.\nI should be brief.", "content": f"Item {i}: done.",
-                     "finish_reason": "length" if i == 7 else "stop", "chunk": c})
+        r = engine_row(tm, [{"role": "user", "content": f"Explain item {i} of part {c}, please."}],
+                       [(f"The user wants item {i}.\nI should be brief.", f"Item {i}: done.")], thinking=True,
+                       max_tokens=8 if i == 7 else None, ids=False, row_id=pid, chunk=c)
+        rows.append({k: r[k] for k in ("id", "messages", "reasoning", "content", "finish_reason", "prompt_tokens",
+                                       "completion_tokens", "chunk")})
     return rows
 
 
-def _new_rows(c: int) -> list[dict[str, Any]]:
+def _new_rows(tm: SimTokenModel, c: int) -> list[dict[str, Any]]:
+    """regenerate=all_turns rows, two samples each: sample 0 from an engine that returns ids, 1 without."""
     rows = []
     for i in range(ROWS // 2):
         for sample in (0, 1):
-            conv = [{"role": "system", "content": "Be terse.", "reasoning": None},
-                    {"role": "user", "content": f"First question {i}?", "reasoning": None},
-                    {"role": "assistant", "content": f"First answer {i}/{sample}.", "reasoning": f"think {i} a"},
-                    {"role": "user", "content": "And then?", "reasoning": None},
-                    {"role": "assistant", "content": f"Second answer {i}/{sample}.", "reasoning": f"think {i} b"}]
-            rows.append({"id": f"p{c}-{i}", "sample": sample, "messages": conv[:2], "reasoning": conv[-1]["reasoning"],
-                         "content": conv[-1]["content"], "finish_reason": "stop", "conversation": conv, "chunk": c})
+            messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": f"First question {i}?"},
+                        {"role": "assistant", "content": "old"}, {"role": "user", "content": "And then?"}]
+            answers = [(f"think {i} a", f"First answer {i}/{sample}."), (f"think {i} b", f"Second answer {i}/{sample}.")]
+            rows.append(engine_row(tm, messages, answers, thinking=True, ids=sample == 0, row_id=f"p{c}-{i}",
+                                   sample=sample, chunk=c))
     return rows
 
 
@@ -61,15 +69,17 @@ def _write_dataset(client: Any, bucket: str, root: str, tokenizer: str) -> Datas
     client.put_object(Bucket=bucket, Key=layout.manifest_key, Body=json.dumps(manifest).encode())
     report = {"status": "passed", "completions": 1, "token_recount": {"tokenizer": tokenizer}}
     client.put_object(Bucket=bucket, Key=layout.report_key, Body=json.dumps(report).encode())
+    tm = SimTokenModel(tokenizer)
     for c in range(PARTS):
         if c % 2 == 0:
-            body = encode_part(_old_rows(c))
-        else:
-            table = pa.Table.from_pylist([{k: r.get(k) for k in NEW_SCHEMA.names} for r in _new_rows(c)],
-                                         schema=NEW_SCHEMA)
+            old_schema = pa.schema([f for f in PART_SCHEMA if f.name not in OLD_ABSENT])
+            table = pa.Table.from_pylist([{k: r.get(k) for k in old_schema.names} for r in _old_rows(tm, c)],
+                                         schema=old_schema)
             buf = io.BytesIO()
             pq.write_table(table, buf)
             body = buf.getvalue()
+        else:
+            body = encode_part(_new_rows(tm, c))
         client.put_object(Bucket=bucket, Key=layout.part_key(c), Body=body)
     return layout
 
@@ -115,24 +125,34 @@ def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLa
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
     assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
     old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
-    assert table.num_rows == old_rows + new_rows == report["rows_out"]
+    # one training row per regenerated turn: old rows 1, all_turns rows 2 (the "old" answer is replaced)
+    assert table.num_rows == old_rows + 2 * new_rows == report["rows_out"]
     assert report["rows_in"] == PARTS * ROWS and report["dropped_by_reason"] == {"error_row": 3}
+    assert report["ids_source"] == {"engine": new_rows, "retokenized": old_rows + new_rows}
+    assert report["rows_with_engine_ids"] == new_rows // 2 and report["unverified"] == 0
     assert report["tokens"] == sum(table.column("num_tokens").to_pylist())
     assert report["loss_tokens"] == sum(table.column("num_loss_tokens").to_pylist())
     assert report["turns"]["conversations_by_assistant_turns"] == {"1": old_rows, "2": new_rows}
     assert report["turns"]["trained_turns"] == old_rows + 2 * new_rows and report["status"] == "complete"
-    keys = {(i, s) for i, s in zip(table.column("id").to_pylist(), table.column("sample").to_pylist())}
-    assert len(keys) == table.num_rows  # exactly once per (id, sample)
+    keys = table.column("key").to_pylist()
+    assert len(set(keys)) == table.num_rows and "p1-0#sample=1#turn=1" in keys  # exactly once per (id, sample, turn)
     tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
-    for ids, mask, n, k in zip(*(table.column(c).to_pylist() for c in ("input_ids", "loss_mask", "num_tokens", "num_loss_tokens"))):
+    for ids, mask, n, k, fr in zip(*(table.column(c).to_pylist()
+                                     for c in ("input_ids", "loss_mask", "num_tokens", "num_loss_tokens", "finish_reason"))):
         assert len(ids) == len(mask) == n and sum(mask) == k
-        trained = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
-        assert trained.startswith("<think>\n") and trained.endswith("<|im_end|>") and "<|im_start|>" not in trained
+        first = mask.index(1)
+        assert all(mask[first:])  # one trained run: the generated turn, at the end
+        trained = tok.decode(ids[first:], skip_special_tokens=False)
+        assert trained.startswith("<think>\n") and "<|im_start|>" not in trained
+        assert trained.endswith("<|im_end|>\n") == (fr == "stop")
 
     body = s3_client.get_object(Bucket=bucket, Key=dataset.export_conversations_key(1))["Body"].read().decode()
     recs = [json.loads(line) for line in body.splitlines()]
-    assert [r["id"] for r in recs[:2]] == ["p1-0", "p1-0#sample=1"]
-    assert recs[0]["conversations"][2] == {"role": "assistant", "content": "First answer 0/0.", "reasoning_content": "think 0 a"}
+    assert [r["id"] for r in recs[:2]] == ["p1-0#turn=0", "p1-0#turn=1"]
+    last = recs[0]["conversations"][-1]  # texts as the engine's parser returned them (vLLM keeps the newlines)
+    assert (last["role"], last["content"].strip(), last["reasoning_content"].strip()) == (
+        "assistant", "First answer 0/0.", "think 0 a")
+    assert recs[1]["conversations"][2] == {"role": "assistant", "content": last["content"]}  # as the request carried it
     md = s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_md_key)["Body"].read().decode()
     assert f"| total tokens | {report['tokens']:,} |" in md
 
@@ -180,7 +200,7 @@ def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bu
     assert len(parts) == PARTS
     report = write_report(s3_client, planned["datasets"][0])
     table = _read_tokenized(s3_client, bucket, dataset)
-    assert report["rows_out"] == table.num_rows == 3 * (ROWS - 1) + 2 * ROWS
+    assert report["rows_out"] == table.num_rows == 3 * (ROWS - 1) + 4 * ROWS
 
 
 def test_a_missing_part_fails_the_report(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:

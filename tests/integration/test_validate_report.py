@@ -49,12 +49,15 @@ def _prompts() -> list[dict[str, Any]]:
 def handoff_run(moto_server: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     moto_server.create_bucket(BUCKET)
     tmp = tmp_path_factory.mktemp("validate")
-    common = dict(token_time_s=0.0005, length_scale=0.05, max_running_requests=8, context_length=CONTEXT)
+    # The servers "serve" the sim tokenizer (dev/sim/tokens.py): usage counts what a real engine counts
+    # (the think markers and the stop token included), so tokenization can check re-encoded turns.
+    tokenizer = build_sim_tokenizer(tmp / "tokenizer")
+    common = dict(token_time_s=0.0005, length_scale=0.05, max_running_requests=8, context_length=CONTEXT,
+                  tokenizer_dir=str(tokenizer), token_ids_supported=False)
     servers = [SimServer(SimConfig(**common)).start(), SimServer(SimConfig(**common, reasoning_parser=None)).start()]
     try:
         body = b"".join(json.dumps(r).encode() + b"\n" for r in _prompts())
         moto_server.client().put_object(Bucket=BUCKET, Key="prompts/v.jsonl", Body=body)
-        tokenizer = build_sim_tokenizer(tmp / "tokenizer")
         base = {"prompts_uri": f"s3://{BUCKET}/prompts/v.jsonl", "output_uri": f"s3://{BUCKET}/{ROOT}",
                 "servers": [s.url for s in servers], "model": "Qwen/Qwen3-8B", "max_tokens": MAX_TOKENS,
                 "save_every": 16}
@@ -169,5 +172,5 @@ def test_consumer_dag_is_triggered_and_receives_the_fields(handoff_run: dict[str
     assert [tuple(t) for t in consumer["tasks"] if t[0] == "tokenize"] == [("tokenize", i, "success") for i in range(4)]
     (summary,) = consumer["report"]
     assert summary["output_uri"] == extra["output_uri"]
-    assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] == extra["completions"]
+    assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] == extra["completions"], (summary["dropped_by_reason"], summary["unverified"])
     assert summary["rows_dropped"] == extra["errors"] and 0 < summary["loss_tokens"] < summary["tokens"]

@@ -145,3 +145,99 @@ def test_load_from_metrics_and_get_load(sims: Any) -> None:
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')
     assert vllm_load(text) == 5 and vllm_kv_tokens(text) == 1600
+
+
+def test_token_ids_in_each_engines_shape() -> None:
+    from dflash_pipeline.serving.engines import token_ids_of
+
+    vllm = {"prompt_token_ids": [1, 2, 3], "choices": [{"token_ids": [7, 8, 151645]}]}
+    sglang_0_5_17 = {"choices": [{"prompt_token_ids": [1, 2, 3], "token_ids": [7, 8, 151645]}]}
+    sglang_0_5_18 = {"choices": [{"prompt_token_ids": [1, 2, 3], "response_token_ids": [7, 8, 151645]}]}
+    for body in (vllm, sglang_0_5_17, sglang_0_5_18):
+        assert token_ids_of(body, body["choices"][0]) == ([1, 2, 3], [7, 8, 151645])
+    assert token_ids_of({"prompt_token_ids": None}, {"token_ids": None}) == (None, None)
+    assert token_ids_of({}, {"token_ids": [1, "2"]}) == (None, None)  # never half-trusted
+    both = {"model": "m", "prompt_token_ids": [1, 2, 3],
+            "choices": [{"message": {"content": "x"}, "finish_reason": "stop", "token_ids": [5, 151645]}]}
+    c = parse_chat_response(both)
+    assert c.prompt_token_ids.tolist() == [1, 2, 3] and c.output_token_ids.tolist() == [5, 151645]
+    assert str(c.output_token_ids.dtype) == "int32"
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_both_engines_are_asked_for_their_token_ids_and_return_them(engine: str, qwen_tokenizer: Any) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
+    with SimServer(SimConfig(engine=engine, tokenizer_dir=str(qwen_tokenizer), **FAST)) as srv:
+        body = build_chat_body(MSGS, "Qwen/Qwen3-8B", Sampling(max_tokens=300, seed=3), "p", engine=engine)
+        assert body["return_token_ids"] is True
+        assert ("return_prompt_token_ids" in body) == (engine == "sglang")
+        assert ("separate_reasoning" in body) == (engine == "sglang")
+        c, _ = chat_once(new_chat_client(), ServerSpec("s", srv.url), body, 10)
+        assert c.finish_reason == "stop" and int(c.output_token_ids[-1]) == tok.token_to_id("<|im_end|>")
+        assert len(c.prompt_token_ids) == c.prompt_tokens and len(c.output_token_ids) == c.completion_tokens
+        assert tok.decode(c.prompt_token_ids.tolist(), skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+        srv.update_config(token_ids_supported=False)  # an engine version before return_token_ids
+        c, _ = chat_once(new_chat_client(), ServerSpec("s", srv.url), body, 10)
+        assert c.prompt_token_ids is None and c.output_token_ids is None and c.completion_tokens
+
+
+def test_sglang_load_from_v1_loads_and_from_get_load_on_older_servers() -> None:
+    from dflash_pipeline.serving.engines import sglang_load
+
+    assert sglang_load({"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2},
+                                  {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0}]}) == 6
+    assert sglang_load([{"dp_rank": 0, "num_reqs": 4, "num_waiting_reqs": 1}]) == 4
+    assert sglang_load({"loads": []}) is None
+
+    class Old(BaseHTTPRequestHandler):  # SGLang < 0.5.9 shape: /get_load only, /v1/loads is 404
+        hits: list[str] = []
+
+        def do_GET(self) -> None:  # noqa: N802
+            Old.hits.append(self.path)
+            ok = self.path == "/get_load"
+            body = json.dumps([{"dp_rank": 0, "num_reqs": 5}] if ok else {"detail": "Not Found"}).encode()
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        spec = ServerSpec("old", f"http://127.0.0.1:{httpd.server_port}")
+        session = new_session()
+        assert server_load(session, spec, "sglang") == 5
+        assert server_load(session, spec, "sglang") == 5
+        assert Old.hits == ["/v1/loads", "/get_load", "/get_load"]  # the answering one is asked first after
+    finally:
+        httpd.shutdown()
+
+
+def test_load_samples_split_running_from_waiting_with_kv_usage(sims: Any) -> None:
+    """What the concurrency controller reads: running and waiting apart, and KV cache usage."""
+    from dflash_pipeline.serving.engines import LoadSample, sglang_load_sample, vllm_load_sample
+    from dflash_pipeline.serving.sglang import server_load_sample
+
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
+            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.1\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n')
+    assert vllm_load_sample(text) == LoadSample(7, 2, 0.75)  # the fullest engine's KV cache limits
+    assert vllm_load_sample(text.replace("kv_cache_usage_perc", "other")).kv_usage == 0.1  # vLLM < 0.9
+    assert vllm_load_sample("# nothing\n") is None
+    assert sglang_load_sample({"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.2},
+                                         {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.9}]}) \
+        == LoadSample(4, 2, 0.9)
+    assert sglang_load_sample([{"num_reqs": 4, "num_waiting_reqs": 1}]) == LoadSample(3, 1, None)
+    session = new_session()
+    for engine in ("vllm", "sglang"):
+        sample = server_load_sample(session, ServerSpec(engine, sims[engine].url), engine)
+        assert sample is not None and (sample.running, sample.waiting) == (0, 0) and sample.kv_usage == 0.0

@@ -267,3 +267,19 @@ def test_histogram_is_bounded_and_accurate() -> None:
     small = Histogram()
     small.add([3, 1, 2, 2, 200])
     assert (small.quantile(0.5), small.quantile(0.99), small.summary()["mean"]) == (2, 200, 41.6)
+
+
+def test_rows_with_and_without_engine_ids_and_ids_that_disagree_with_usage(s3_client: Any, bucket: str) -> None:
+    turn = {"finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 5, "reasoning_tokens": 3,
+            "cached_tokens": None, "latency_s": 0.5}
+    rows = [
+        row("a", turns=[turn], prompt_token_ids=[list(range(10))], output_token_ids=[list(range(5))]),
+        row("b", turns=[turn], prompt_token_ids=[list(range(10))], output_token_ids=[list(range(4))]),  # one short
+        row("c", turns=[turn, turn], prompt_token_ids=[None, list(range(10))], output_token_ids=[None, list(range(5))]),
+        row("d", turns=[turn]),
+        error_row("e"),
+    ]
+    uri = write_dataset(s3_client, bucket, "ds/ids", [["a", "b", "c", "d", "e"]], {0: rows})
+    report = run_validation(s3_client, uri, LAX, plots=False)
+    assert report["engine_token_ids"] == {"rows_with": 3, "rows_without": 1, "rows_whose_ids_disagree_with_usage": 1}
+    assert report["defect_ids_sample"]["engine_ids_disagree_with_usage"] == ["b"]

@@ -29,6 +29,8 @@ TURN_TYPE = pa.struct(
     ]
 )
 
+TOKEN_IDS_TYPE = pa.list_(pa.int32())
+
 INPUT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -66,8 +68,15 @@ PART_SCHEMA = pa.schema(
         ("turns", pa.list_(TURN_TYPE)),
         ("cut_short", pa.string()),
         ("cached_tokens", pa.int64()),
+        # The token ids the engine used, one list per regenerated turn (aligned with `turns`); a
+        # turn's entry is null when its engine did not return ids (then tokenization re-encodes the
+        # text and checks it against `turns`' token counts). Training rows are built from these.
+        ("prompt_token_ids", pa.list_(TOKEN_IDS_TYPE)),
+        ("output_token_ids", pa.list_(TOKEN_IDS_TYPE)),
     ]
 )
+
+TOKEN_ID_COLUMNS = ("prompt_token_ids", "output_token_ids")
 
 PART_COLUMNS = tuple(PART_SCHEMA.names)
 

@@ -10,8 +10,8 @@ feeds it (and owns the probing thread); the generate worker only reads `limit`.
 
 Observations:
 - `on_probe(sample, ours)`, every `probe_every_s`: the server's load endpoint (vLLM `/metrics`:
-  `vllm:num_requests_running`, `…_waiting`, `vllm:kv_cache_usage_perc`; SGLang `/get_load`:
-  `num_reqs`, `num_waiting_reqs`) as a LoadSample, None for a generic server (no endpoint) or a
+  `vllm:num_requests_running`, `…_waiting`, `vllm:kv_cache_usage_perc`; SGLang `/v1/loads`:
+  `num_running_reqs`, `num_waiting_reqs`, `token_usage`, or `/get_load`) as a LoadSample, None for a generic server (no endpoint) or a
   probe that failed; `ours` = our requests outstanding on the server at the probe.
 - `on_completion(tokens, latency_s)`: per-token latency and the completion rate.
 - `on_rejection(status)`: a 503 or 429 answer.

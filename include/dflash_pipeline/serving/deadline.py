@@ -25,12 +25,13 @@ non-streaming request gives no sign of progress, so the decision uses what we ca
      only raises N, so sharing errs on the side of waiting.
    Otherwise a request is plausibly generating and waits up to its budget.
 
-What N is: SGLang `/get_load` answers one entry per DP rank whose `num_reqs` is
-running + waiting of that rank's scheduler (`num_waiting_reqs` is the waiting part, already
-included): we sum `num_reqs` over ranks. vLLM `/metrics` has the gauges
+What N is: SGLang `/v1/loads` answers one entry per DP rank with `num_running_reqs` and
+`num_waiting_reqs` of that rank's scheduler: we sum both over ranks (SGLang before 0.5.21 also
+served `/get_load`, whose `num_reqs` is the same sum per rank; it is asked when `/v1/loads` is not
+served, and it is gone from 0.5.21 on). vLLM `/metrics` has the gauges
 `vllm:num_requests_running` and `vllm:num_requests_waiting` per engine (set each engine step from
 the scheduler's running and waiting queues, `SchedulerStats` in `v1/core/sched/scheduler.py`):
-we sum both over engines. SGLang counts from `Scheduler.get_load` (running batch + waiting queue).
+we sum both over engines.
 Neither counts a request still in the HTTP front end (tokenizing) or one whose answer is being
 detokenized and sent; M leaves those out as above.
 
@@ -379,7 +380,7 @@ def server_watch(run_id: str, server: Any, engine: str | None, policy: DeadlineP
         if existing is not None and existing.policy == policy:
             return existing
     probe = None
-    if adapter(engine).load_path is not None:
+    if adapter(engine).load_paths:
         session = new_session()
         session_lock = threading.Lock()
 

@@ -59,21 +59,54 @@ class EngineAdapter:
     separate_reasoning: bool
     # Where the server reports its capacity; None: it does not (a default is used, with a warning).
     capacity_source: str | None
-    # GET endpoint that tells how many requests the server holds (running + waiting), if any.
-    load_path: str | None
+    # GET endpoints that tell how many requests the server holds (running + waiting), newest first.
+    load_paths: tuple[str, ...]
+    # Request fields that make the engine return the token ids it used (prompt and generated):
+    # the training data is built from them, never from re-encoded text, where an engine gives them.
+    token_id_fields: tuple[tuple[str, Any], ...] = ()
 
     def chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """Add the engine's extra fields to an OpenAI chat body (in place; returned for chaining)."""
         if self.separate_reasoning:
             body["separate_reasoning"] = True
+        for name, value in self.token_id_fields:
+            body[name] = value
         return body
 
 
 ADAPTERS: dict[Engine, EngineAdapter] = {
-    Engine.SGLANG: EngineAdapter(Engine.SGLANG, True, "max_running_requests", "/get_load"),
-    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, "/metrics"),
-    Engine.OPENAI: EngineAdapter(Engine.OPENAI, False, None, None),
+    # SGLang: `/v1/loads` (every release checked, 0.5.9-0.5.23); `/get_load` was removed in 0.5.21.
+    # Token ids: `return_prompt_token_ids` (>= 0.5.13) and `return_token_ids` (>= 0.5.17) give
+    # `choices[].prompt_token_ids` and `choices[].response_token_ids` (`token_ids` in 0.5.17 only);
+    # older versions ignore both fields silently (then the answer simply has no ids).
+    Engine.SGLANG: EngineAdapter(Engine.SGLANG, True, "max_running_requests", ("/v1/loads", "/get_load"),
+                                 (("return_prompt_token_ids", True), ("return_token_ids", True))),
+    # vLLM >= 0.10.2: top-level `prompt_token_ids` and per-choice `token_ids` (older versions ignore the field).
+    Engine.VLLM: EngineAdapter(Engine.VLLM, False, None, ("/metrics",), (("return_token_ids", True),)),
+    Engine.OPENAI: EngineAdapter(Engine.OPENAI, False, None, ()),
 }
+
+
+def _ints(v: Any) -> list[int] | None:
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return v
+    return None
+
+
+def token_ids_of(data: dict[str, Any], choice: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, generated ids) an engine returned with a chat completion, each None when absent.
+
+    vLLM: top-level `prompt_token_ids`, per-choice `token_ids`. SGLang: per-choice
+    `prompt_token_ids` and `response_token_ids` (`token_ids` in 0.5.17). Both engines' generated ids
+    are the raw output (before the reasoning split), the stop token included. A list that is not
+    all ints is treated as absent (never half-trusted)."""
+    prompt = _ints(data.get("prompt_token_ids"))
+    if prompt is None:
+        prompt = _ints(choice.get("prompt_token_ids"))
+    output = _ints(choice.get("response_token_ids"))
+    if output is None:
+        output = _ints(choice.get("token_ids"))
+    return prompt, output
 
 
 def adapter(engine: Engine | str | None) -> EngineAdapter:
@@ -172,23 +205,41 @@ def vllm_kv_tokens(metrics_text: str) -> int | None:
 
 
 def sglang_load_sample(payload: Any) -> LoadSample | None:
-    """Running and waiting requests of an SGLang server, from `/get_load` (a list per DP rank, or
-    one dict): `num_reqs` is a rank's running + waiting, `num_waiting_reqs` the waiting part."""
-    items = payload if isinstance(payload, list) else [payload]
-    held = waiting = 0
+    """Running and waiting requests of an SGLang server (summed over DP ranks) and its KV cache
+    usage (the fullest rank's `token_usage`, when given): from `/v1/loads`
+    (`{"loads": [{"num_running_reqs", "num_waiting_reqs", "token_usage", ...}]}`) or the older
+    `/get_load` (a list per DP rank, or one dict, with `num_reqs` = running + waiting and
+    `num_waiting_reqs` the waiting part)."""
+    if isinstance(payload, dict) and isinstance(payload.get("loads"), list):
+        items = payload["loads"]
+    else:
+        items = payload if isinstance(payload, list) else [payload]
+
+    def num(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    running = waiting = 0
+    usages: list[float] = []
     seen = False
     for item in items:
-        if isinstance(item, dict) and isinstance(item.get("num_reqs"), (int, float)):
-            n = int(item["num_reqs"])
-            w = item.get("num_waiting_reqs")
-            w = min(n, int(w)) if isinstance(w, (int, float)) and not isinstance(w, bool) else 0
-            held += n
-            waiting += w
+        if not isinstance(item, dict):
+            continue
+        w = int(num(item.get("num_waiting_reqs")) or 0)
+        if num(item.get("num_reqs")) is not None:
+            held = int(item["num_reqs"])
+            w = min(held, w)
+            running, waiting = running + held - w, waiting + w
             seen = True
-    return LoadSample(held - waiting, waiting) if seen else None
+        elif num(item.get("num_running_reqs")) is not None:
+            running, waiting = running + int(item["num_running_reqs"]), waiting + w
+            seen = True
+        usage = num(item.get("token_usage"))
+        if usage is not None:
+            usages.append(usage)
+    return LoadSample(running, waiting, max(usages) if usages else None) if seen else None
 
 
 def sglang_load(payload: Any) -> int | None:
-    """Requests an SGLang server holds, from `/get_load` (a list per DP rank, or one dict)."""
+    """Requests an SGLang server holds (running + waiting, summed over DP ranks)."""
     sample = sglang_load_sample(payload)
     return None if sample is None else sample.held

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import requests
 
 from dflash_pipeline.config import Sampling
@@ -35,6 +36,7 @@ from dflash_pipeline.serving.engines import (
     is_error_body,
     reasoning_of,
     sglang_load_sample,
+    token_ids_of,
     vllm_kv_tokens,
     vllm_load_sample,
 )
@@ -187,6 +189,11 @@ class Completion:
     cached_tokens: int | None = None
     # Where the thinking came from: "field" (reasoning_content/reasoning), "inline" (<think> in content).
     reasoning_source: str | None = None
+    # The token ids the engine used, when it returned them (serving/engines.py token_ids_of): the
+    # rendered prompt as the engine encoded it, and every token it generated (the stop token included
+    # when the engine returns it). int32 arrays: a held row costs 4 bytes per token, not a Python int.
+    prompt_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    output_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -211,6 +218,7 @@ def parse_chat_response(data: Any) -> Completion:
     matched = choice.get("matched_stop")
     prompt_details = usage.get("prompt_tokens_details")
     cached = prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None
+    prompt_ids, output_ids = token_ids_of(data, choice) if isinstance(choice, dict) else (None, None)
     return Completion(
         reasoning=reasoning,
         content=answer,
@@ -222,6 +230,8 @@ def parse_chat_response(data: Any) -> Completion:
         model=data.get("model"),
         cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
         reasoning_source=None if reasoning is None else ("field" if separated else "inline"),
+        prompt_token_ids=None if prompt_ids is None else np.asarray(prompt_ids, dtype=np.int32),
+        output_token_ids=None if output_ids is None else np.asarray(output_ids, dtype=np.int32),
     )
 
 
@@ -513,18 +523,27 @@ def server_load_sample(session: requests.Session, server: ServerSpec, engine: En
                        timeout_s: float = 5.0) -> LoadSample | None:
     """Requests the server runs and queues now (and its KV cache usage if published), or None if
     it cannot tell us (generic server, endpoint missing, server not answering)."""
-    path = adapter(engine).load_path
-    if path is None:
-        return None
-    text = _get_text(session, server, path, timeout_s)
-    if text is None:
-        return None
-    if path == "/metrics":
-        return vllm_load_sample(text)
-    try:
-        return sglang_load_sample(json.loads(text))
-    except ValueError:
-        return None
+    paths = adapter(engine).load_paths
+    known = _LOAD_PATH.get(server.base_url)
+    for path in sorted(paths, key=lambda p: p != known):  # the one that answered last, first
+        text = _get_text(session, server, path, timeout_s)
+        if text is None:
+            continue
+        if path == "/metrics":
+            load = vllm_load_sample(text)
+        else:
+            try:
+                load = sglang_load_sample(json.loads(text))
+            except ValueError:
+                load = None
+        if load is not None:
+            _LOAD_PATH[server.base_url] = path
+            return load
+    return None
+
+
+_LOAD_PATH: dict[str, str] = {}
+"""The load endpoint that answered last, per server: an older SGLang is not asked `/v1/loads` every probe."""
 
 
 def server_load(session: requests.Session, server: ServerSpec, engine: Engine | str | None,

@@ -47,12 +47,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, vllm_wire
+from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
 
-SIM_VERSION = "0.5.4-sim"
+SIM_VERSION = "0.5.23-sim"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 """SGLang's /health_generate gives up after 20 s and answers 503."""
 
@@ -157,6 +157,15 @@ class SimConfig:
     answers carry no reasoning at all and thinking cannot be split from them."""
     engine: str = "sglang"
     """Wire flavour: "sglang", or "vllm" (vLLM's OpenAI server, see vllm_wire.py)."""
+    tokenizer_dir: str | None = None
+    """A local tokenizer directory (tokenizer.json + a chat template): the server then renders and
+    encodes each request like an engine serving that model (dev/sim/tokens.py): usage counts its
+    tokens, and the vLLM flavour returns the ids with `return_token_ids`. None: the word model."""
+    noncanonical_rate: float = 0.0
+    """With tokenizer_dir: share of generated tokens emitted as two smaller tokens of the same text."""
+    token_ids_supported: bool = True
+    """With tokenizer_dir: answer `return_token_ids` (vLLM >= 0.10.2, SGLang >= 0.5.17). False plays
+    an older engine that ignores the field silently: usage as always, no ids."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -539,6 +548,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         "/get_server_info": "_server_info",
         "/server_info": "_server_info",
         "/get_load": "_get_load",
+        "/v1/loads": "_v1_loads",
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
@@ -697,9 +707,20 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         self._send_json(200, self.sim.server_info())
 
     def _get_load(self, _body: bytes) -> None:
+        """SGLang's deprecated `/get_load` (served up to 0.5.20)."""
         running, waiting, tokens = self.sim._sched.load()
         self._send_json(200, [{"dp_rank": 0, "num_reqs": running + waiting,
                                "num_waiting_reqs": waiting, "num_tokens": tokens}])
+
+    def _v1_loads(self, _body: bytes) -> None:
+        """SGLang's `/v1/loads` (core fields; `entrypoints/v1_loads.py`, `managers/load_snapshot.py`)."""
+        running, waiting, tokens = self.sim._sched.load()
+        config = self.sim.config
+        self._send_json(200, {"timestamp": time.time(), "version": SIM_VERSION, "loads": [{
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": tokens,
+            "max_total_num_tokens": config.max_total_num_tokens, "max_running_requests": config.max_running_requests,
+            "token_usage": round(tokens / max(1, config.max_total_num_tokens), 4),
+        }]})
 
     def _model_info(self, _body: bytes) -> None:
         config = self.sim.config
@@ -763,7 +784,12 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if request is None:
             return
         messages, max_tokens, enable_thinking, separate_reasoning, model = request
-        prompt_tokens = lengths.count_prompt_tokens(messages)
+        token_model = tokens.load_token_model(config.tokenizer_dir) if config.tokenizer_dir else None
+        if token_model is not None:
+            kwargs = {**self._template_kwargs, "enable_thinking": enable_thinking}
+            prompt_tokens = len(token_model.encode(token_model.render(messages, kwargs)))
+        else:
+            prompt_tokens = lengths.count_prompt_tokens(messages)
         vllm_error = (vllm_wire.context_error(prompt_tokens, max_tokens, config.context_length)
                       if config.engine == "vllm" else None)
         if vllm_error:
@@ -810,11 +836,20 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         parser_on = config.reasoning_parser is not None and (separate_reasoning or config.engine == "vllm")
         completion = lengths.render_completion(plan, max_tokens=cap,
                                                separate_reasoning=parser_on)
+        generated = None
+        if token_model is not None:
+            full = lengths.render_completion(plan, max_tokens=None, separate_reasoning=True)
+            generated = token_model.generate(
+                messages, {**self._template_kwargs, "enable_thinking": enable_thinking},
+                full.reasoning_content, full.content, cap, config.noncanonical_rate,
+                seed=plan.text_seed, strip_parsed=config.engine != "vllm")
+            completion = _token_completion(generated, parser_on)
         if fault == "abort":
             # Cut halfway, answered 200 with finish_reason "abort" (SGLang's abort shape).
             partial = lengths.render_completion(plan, max_tokens=max(1, completion.completion_tokens // 2),
                                                 separate_reasoning=parser_on)
             completion = dataclasses.replace(partial, finish_reason="abort", matched_stop=None)
+            generated = None
         # A proof job takes a slot but stays out of the throughput stats (completed, busy, first admit).
         job = _Job("proof" if proof else "chat", completion.completion_tokens, prompt_tokens, time.monotonic())
         job.cached = cached
@@ -828,23 +863,32 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if completion.finish_reason in ("stop", "length") and not proof:
             sim.conversations.on_answer(messages, completion.content, config.track_history)
         if config.engine == "vllm":
+            ids = (generated.prompt_ids, generated.output_ids) if generated and self._return_token_ids else None
             self._send_json(200, vllm_wire.chat_response(model or config.served_model_name, int(time.time()),
-                                                          completion, prompt_tokens, cached if config.radix_cache else 0))
+                                                          completion, prompt_tokens, cached if config.radix_cache else 0,
+                                                          token_ids=ids))
             return
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": completion.content,
+                        "reasoning_content": completion.reasoning_content,
+                        "tool_calls": None},
+            "logprobs": None,
+            "finish_reason": completion.finish_reason,
+            "matched_stop": completion.matched_stop,
+        }
+        if generated is not None and (self._return_token_ids or self._return_prompt_token_ids):
+            # SGLang >= 0.5.18 (serving_chat.py): the choice carries the prompt ids, and with
+            # return_token_ids the raw generated ids (stop token included) as response_token_ids.
+            choice["prompt_token_ids"] = generated.prompt_ids
+            if self._return_token_ids:
+                choice["response_token_ids"] = generated.output_ids
         self._send_json(200, {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model or config.served_model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": completion.content,
-                            "reasoning_content": completion.reasoning_content,
-                            "tool_calls": None},
-                "logprobs": None,
-                "finish_reason": completion.finish_reason,
-                "matched_stop": completion.matched_stop,
-            }],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion.completion_tokens,
@@ -890,7 +934,20 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         seed = obj.get("seed")
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
+        self._template_kwargs = {k: v for k, v in kwargs.items() if isinstance(k, str)}
+        supported = self.server.sim.config.token_ids_supported
+        self._return_token_ids = supported and obj.get("return_token_ids") is True
+        self._return_prompt_token_ids = supported and obj.get("return_prompt_token_ids") is True
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
+
+
+def _token_completion(g: tokens.Generated, parser_on: bool) -> lengths.Completion:
+    """The word model's Completion shape for a token-level generation (without a parser, the decoded
+    output as it is, `<think>`/`</think>` inline)."""
+    if parser_on:
+        return lengths.Completion(g.content, g.reasoning, len(g.output_ids), g.reasoning_tokens, g.finish_reason,
+                                  g.matched_stop)
+    return lengths.Completion(g.text, None, len(g.output_ids), 0, g.finish_reason, g.matched_stop)
 
 
 class SimServer:

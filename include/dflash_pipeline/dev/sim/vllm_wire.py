@@ -80,9 +80,12 @@ def context_error(prompt_tokens: int, max_tokens: int | None, context_length: in
     return None
 
 
-def chat_response(model: str, created: int, completion: Any, prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def chat_response(model: str, created: int, completion: Any, prompt_tokens: int, cached_tokens: int = 0,
+                  token_ids: tuple[list[int], list[int]] | None = None) -> dict[str, Any]:
     """A non-streaming ChatCompletionResponse as vLLM serialises it (`prompt_tokens_details` as
-    with --enable-prompt-tokens-details and prefix caching: present only when tokens were cached)."""
+    with --enable-prompt-tokens-details and prefix caching: present only when tokens were cached;
+    `prompt_token_ids` and the choice's `token_ids` with `return_token_ids`, else null)."""
+    prompt_ids, output_ids = token_ids if token_ids is not None else (None, None)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -96,7 +99,7 @@ def chat_response(model: str, created: int, completion: Any, prompt_tokens: int,
             "logprobs": None,
             "finish_reason": completion.finish_reason,
             "stop_reason": None,
-            "token_ids": None,
+            "token_ids": output_ids,
         }],
         "service_tier": None,
         "system_fingerprint": None,
@@ -107,7 +110,7 @@ def chat_response(model: str, created: int, completion: Any, prompt_tokens: int,
             "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None,
         },
         "prompt_logprobs": None,
-        "prompt_token_ids": None,
+        "prompt_token_ids": prompt_ids,
         "kv_transfer_params": None,
     }
 

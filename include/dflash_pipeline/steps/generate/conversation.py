@@ -155,4 +155,7 @@ def conversation_row(
         "turns": [t.to_dict() for t in res.turns],
         "cut_short": res.cut_short,
     })
+    if any(c.output_token_ids is not None for c in cs):
+        row["prompt_token_ids"] = [c.prompt_token_ids for c in cs]
+        row["output_token_ids"] = [c.output_token_ids for c in cs]
     return row

@@ -1,17 +1,18 @@
-"""dflash_tokenize: validated completions → loss-masked token shards + SpecForge conversations JSONL.
+"""dflash_tokenize: validated completions → token-exact training rows + SpecForge conversations JSONL.
 
-``masks`` renders and encodes conversations (input_ids, loss_mask); ``run`` plans the parts per
-worker, writes each part's outputs exactly once, and sums the report. Imports dataset/, config and
-the recount's tokenizer loading (steps.validate.tokencount); tasks.py and dev/ import it.
+``turns`` finds each row's regenerated assistant turns and the context each request carried;
+``exact`` builds one training row per turn from the engine's own token ids (or re-encodes and
+checks the text when the engine gave none), loss only on what the model generated; ``run`` plans
+the parts per worker, writes each part's outputs exactly once, and sums the report. Imports
+dataset/, config and the recount's tokenizer loading (steps.validate.tokencount); tasks.py and
+dev/ import it.
 """
 
-from dflash_pipeline.steps.tokenize.masks import (
+from dflash_pipeline.steps.tokenize.exact import (
     TOKENIZED_SCHEMA,
-    ConversationTokenizer,
     PartStats,
     TokenizeSettings,
-    Turn,
-    conversation_of,
+    TrainingRowBuilder,
     tokenize_table,
 )
 from dflash_pipeline.steps.tokenize.run import (
@@ -22,19 +23,20 @@ from dflash_pipeline.steps.tokenize.run import (
     run_assignment,
     write_report,
 )
+from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
 
 __all__ = [
     "TOKENIZED_SCHEMA",
-    "ConversationTokenizer",
     "PartStats",
     "TokenizeFailed",
     "TokenizeSettings",
-    "Turn",
+    "TrainingRowBuilder",
+    "TurnSource",
     "build_report",
-    "conversation_of",
     "load_tokenizer",
     "plan",
     "run_assignment",
     "tokenize_table",
+    "turns_of",
     "write_report",
 ]

@@ -25,13 +25,14 @@ import pyarrow.parquet as pq
 from dflash_pipeline.config import ConfigError, TokenizeConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
-from dflash_pipeline.steps.tokenize.masks import ConversationTokenizer, PartStats, TokenizeSettings, tokenize_table
+from dflash_pipeline.steps.tokenize.exact import PartStats, TokenizeSettings, TrainingRowBuilder, tokenize_table
 from dflash_pipeline.steps.validate.tokencount import load_recounter
 
 logger = logging.getLogger(__name__)
 
-REPORT_FORMAT = "dflash-pipeline/tokenized/1"
-READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation")
+REPORT_FORMAT = "dflash-pipeline/tokenized/2"
+READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
+                "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
 
 
 class TokenizeFailed(Exception):
@@ -60,13 +61,13 @@ def s3_getter(client: Any) -> Any:
     return get
 
 
-def load_tokenizer(client: Any, settings: TokenizeSettings) -> ConversationTokenizer:
+def load_tokenizer(client: Any, settings: TokenizeSettings) -> TrainingRowBuilder:
     """The recount's loader (local or S3 tokenizer + chat template), wrapped for masks. Files fetched
     from S3 go to a temporary folder removed once loaded (the tokenizer is then in memory)."""
     with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as tmp:
         rec = load_recounter(settings.tokenizer, s3_getter(client), enable_thinking=settings.enable_thinking,
                              workdir=Path(tmp))
-        return ConversationTokenizer(rec, settings)
+        return TrainingRowBuilder(rec, settings)
 
 
 def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
@@ -85,7 +86,8 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                               "give the tokenizer param (a tokenizer.json, model directory or s3:// prefix)")
     return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
                             loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
-                            enable_thinking=thinking)
+                            enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
+                            keep_unverified=cfg.keep_unverified)
 
 
 def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings) -> None:
@@ -121,9 +123,9 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         parts = list_parts(store, layout.completions_prefix)
         done = set(list_parts(store, layout.tokenized_prefix))
         todo = [c for c in parts if c not in done]
-        logger.info("%s: %d parts, %d already tokenized, %d to do; tokenizer %s (template from %s, header %r, "
-                    "end of turn %r)", layout.uri, len(parts), len(parts) - len(todo), len(todo), settings.tokenizer,
-                    ct.rec.template_source, ct.header, ct.eot)
+        logger.info("%s: %d parts, %d already tokenized, %d to do; tokenizer %s (template from %s, generation "
+                    "prompt %r, end of turn %r then %r)", layout.uri, len(parts), len(parts) - len(todo), len(todo),
+                    settings.tokenizer, ct.rec.template_source, ct.generation_prompt, ct.eot, ct.after_eot)
         jobs: list[list[int]] = [[] for _ in range(cfg.workers)]
         for c in todo:
             jobs[slot % cfg.workers].append(c)
@@ -148,7 +150,7 @@ def _read_part(store: Store, key: str) -> Any:
     return pf.read(columns=cols)
 
 
-def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: ConversationTokenizer, table: Any) -> tuple[str, PartStats]:
+def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any) -> tuple[str, PartStats]:
     """Tokenize one completions part and write its three outputs (Parquet last). Returns
     ("written" | "lost_race", stats)."""
     out, export, stats = tokenize_table(table, ct)
@@ -199,7 +201,9 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
 
 
 _SUM_KEYS = ("rows_in", "rows_out", "tokens", "loss_tokens", "truncated_to_max_length", "trained_turns",
-             "reasoning_reinlined_turns", "reasoning_missing_turns")
+             "rows_with_engine_ids", "rows_without_engine_ids", "unverified", "prompt_template_differs")
+_COUNT_KEYS = ("dropped", "conversations_by_assistant_turns", "ids_source")
+EXAMPLES_IN_REPORT = 100
 
 
 def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
@@ -209,8 +213,8 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     parts = list_parts(store, layout.completions_prefix)
     done = set(list_parts(store, layout.tokenized_prefix))
     total: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
-    dropped: dict[str, int] = {}
-    by_turns: dict[str, int] = {}
+    counts: dict[str, dict[str, int]] = {k: {} for k in _COUNT_KEYS}
+    examples: dict[str, list[str]] = {"unverified_examples": [], "prompt_template_differs_examples": []}
     max_tokens = max_turn = 0
     missing_stats = []
     for c in parts:
@@ -222,14 +226,17 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
             continue
         for k in _SUM_KEYS:
             total[k] += int(st.get(k, 0))
-        for k, v in st.get("dropped", {}).items():
-            dropped[k] = dropped.get(k, 0) + int(v)
-        for k, v in st.get("conversations_by_assistant_turns", {}).items():
-            by_turns[k] = by_turns.get(k, 0) + int(v)
+        for name, target in counts.items():
+            for k, v in (st.get(name) or {}).items():
+                target[k] = target.get(k, 0) + int(v)
+        for name, target_list in examples.items():
+            room = EXAMPLES_IN_REPORT - len(target_list)
+            target_list.extend((st.get(name) or [])[:max(0, room)])
         max_tokens = max(max_tokens, int(st.get("max_tokens", 0)))
         max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
     missing = [c for c in parts if c not in done]
     rows_out = total["rows_out"]
+    dropped = counts["dropped"]
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
@@ -242,17 +249,18 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
         **total,
         "rows_dropped": sum(dropped.values()),
         "dropped_by_reason": dict(sorted(dropped.items())),
+        "ids_source": dict(sorted(counts["ids_source"].items())),
+        **examples,
         "tokens_per_row_mean": round(total["tokens"] / rows_out, 1) if rows_out else 0.0,
         "tokens_per_row_max": max_tokens,
         "loss_token_share": round(total["loss_tokens"] / total["tokens"], 4) if total["tokens"] else 0.0,
         "turns": {
-            "conversations_by_assistant_turns": dict(sorted(by_turns.items(), key=lambda kv: int(kv[0]))),
+            "conversations_by_assistant_turns": dict(sorted(counts["conversations_by_assistant_turns"].items(),
+                                                            key=lambda kv: int(kv[0]))),
             "trained_turns": total["trained_turns"],
             "loss_tokens_per_trained_turn_mean": round(total["loss_tokens"] / total["trained_turns"], 1)
             if total["trained_turns"] else 0.0,
             "loss_tokens_per_trained_turn_max": max_turn,
-            "reasoning_reinlined_turns": total["reasoning_reinlined_turns"],
-            "reasoning_missing_turns": total["reasoning_missing_turns"],
         },
         "tokenized_prefix": layout.tokenized_prefix,
         "export_prefix": layout.export_conversations_prefix,
@@ -263,26 +271,39 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
 
 def report_markdown(r: dict[str, Any]) -> str:
     s = r.get("settings") or {}
+    src = r.get("ids_source") or {}
     lines = [
         f"# tokenized: {r['output_uri']}", "",
         f"Status **{r['status']}**: {r['parts_tokenized']} of {r['parts']} parts. Tokenizer `{s.get('tokenizer')}`, "
         f"max_length {s.get('max_length')}, train_turns `{s.get('train_turns')}`, loss_on_reasoning "
-        f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}.", "",
+        f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}, train_eot_newline "
+        f"{s.get('train_eot_newline')}, keep_unverified {s.get('keep_unverified')}.", "",
+        "One training row per regenerated assistant turn; loss only on the tokens the model generated.", "",
         "| figure | value |", "|---|---:|",
-        f"| rows in | {r['rows_in']:,} |",
-        f"| rows out | {r['rows_out']:,} |",
+        f"| completions rows in | {r['rows_in']:,} |",
+        f"| ... with the engine's token ids / without | {r['rows_with_engine_ids']:,} / {r['rows_without_engine_ids']:,} |",
+        f"| training rows out | {r['rows_out']:,} |",
+        f"| ... ids from the engine | {src.get('engine', 0):,} |",
+        f"| ... re-encoded and checked against the engine's counts | {src.get('retokenized', 0):,} |",
         *(f"| dropped: {k} | {v:,} |" for k, v in r["dropped_by_reason"].items()),
+        f"| re-encoded turns whose counts differ from the engine's | {r['unverified']:,} |",
+        f"| engine prompts that differ from this tokenizer + template | {r['prompt_template_differs']:,} |",
         f"| total tokens | {r['tokens']:,} |",
         f"| loss tokens | {r['loss_tokens']:,} ({r['loss_token_share']:.1%}) |",
         f"| rows cut at max_length | {r['truncated_to_max_length']:,} |",
         f"| tokens per row (mean / max) | {r['tokens_per_row_mean']:,} / {r['tokens_per_row_max']:,} |",
-        f"| trained turns | {r['turns']['trained_turns']:,} |",
-        f"| loss tokens per trained turn (mean / max) | {r['turns']['loss_tokens_per_trained_turn_mean']:,} / "
+        f"| loss tokens per training row (mean / max) | {r['turns']['loss_tokens_per_trained_turn_mean']:,} / "
         f"{r['turns']['loss_tokens_per_trained_turn_max']:,} |",
-        f"| turns whose reasoning was re-inlined | {r['turns']['reasoning_reinlined_turns']:,} |",
         "", "Conversations by assistant turns: "
         + ", ".join(f"{k}: {v:,}" for k, v in r["turns"]["conversations_by_assistant_turns"].items()),
     ]
+    if r["unverified_examples"]:
+        lines += ["", f"Re-encoded turns that differ from the engine's counts (first {len(r['unverified_examples'])}):", ""]
+        lines += [f"- `{e}`" for e in r["unverified_examples"]]
+    if r["prompt_template_differs_examples"]:
+        lines += ["", "Engine prompts that differ from this tokenizer + template (their engine ids were used; "
+                  "a tokenizer or template that is not the served model's shows here):", ""]
+        lines += [f"- `{e}`" for e in r["prompt_template_differs_examples"]]
     if r["missing_parts"]:
         lines += ["", f"Missing parts (first 100): {r['missing_parts']}"]
     return "\n".join(lines) + "\n"

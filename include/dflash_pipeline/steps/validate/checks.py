@@ -314,6 +314,34 @@ class Validator:
             col = tbl.column("cached_tokens")
             t.cached_tokens_reported += tbl.num_rows - col.null_count
             t.cached_prompt_tokens += int(to_numpy(col, 0).astype(np.int64).sum())
+        self._tally_engine_ids(tbl)
+
+    def _tally_engine_ids(self, tbl: pa.Table) -> None:
+        """Completions with and without the engine's token ids (what tokenization builds rows from), and
+        turns whose stored generated ids disagree with the server's own `completion_tokens`."""
+        t = self.t
+        if "output_token_ids" not in tbl.column_names:
+            t.rows_without_engine_ids += tbl.num_rows
+            return
+        col = tbl.column("output_token_ids")
+        has = to_numpy(pc.is_valid(col), False)
+        t.rows_with_engine_ids += int(has.sum())
+        t.rows_without_engine_ids += int((~has).sum())
+        if not has.any() or "turns" not in tbl.column_names:
+            return
+        sub = tbl.filter(pa.array(has))
+        ids, turns = sub.column("output_token_ids"), sub.column("turns")
+        same_shape = to_numpy(pc.equal(pc.list_value_length(ids), pc.list_value_length(turns)), False)
+        if not same_shape.all():
+            t.engine_ids_disagree += flag_ids(t, "engine_ids_disagree_with_usage", sub, ~same_shape)
+            sub = sub.filter(pa.array(same_shape))
+            ids, turns = sub.column("output_token_ids"), sub.column("turns")
+        got = to_numpy(pc.list_value_length(pc.list_flatten(ids)), -1).astype(np.int64)
+        want = to_numpy(pc.struct_field(pc.list_flatten(turns), "completion_tokens"), -2).astype(np.int64)
+        bad_turn = (got >= 0) & (got != want)
+        if bad_turn.any():
+            per_row = np.add.reduceat(bad_turn.astype(np.int64), _starts(turns)) if len(bad_turn) else bad_turn
+            t.engine_ids_disagree += flag_ids(t, "engine_ids_disagree_with_usage", sub, per_row > 0)
 
     def _recount(
         self, tbl: pa.Table, ct: np.ndarray, ct_ok: np.ndarray, has_reasoning: np.ndarray, id_list: Any
@@ -363,6 +391,21 @@ def _template_message(m: dict[str, Any]) -> dict[str, Any]:
     if m.get("reasoning"):
         out["reasoning_content"] = m["reasoning"]
     return out
+
+
+def _starts(lists: pa.ChunkedArray) -> np.ndarray:
+    """Start index of each row's items in the flattened list column (rows with at least one item)."""
+    lens = to_numpy(pc.list_value_length(lists), 0).astype(np.int64)
+    return np.concatenate([[0], np.cumsum(lens)[:-1]])
+
+
+def flag_ids(t: Tally, check: str, tbl: pa.Table, mask: np.ndarray) -> int:
+    """Count rows of `tbl` selected by `mask` and keep the first of their keys as the check's sample."""
+    if mask.any():
+        picked = tbl.filter(pa.array(mask))
+        t.sample(check, unit_keys(picked.column("id").to_pylist(),
+                                  picked.column("sample").to_pylist() if "sample" in picked.column_names else None))
+    return int(mask.sum())
 
 
 def value_counts(col: pa.ChunkedArray) -> tuple[list[str], list[int]]:

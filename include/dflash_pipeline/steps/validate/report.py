@@ -161,6 +161,11 @@ def build_report(
         "cached_prompt_tokens": t.cached_prompt_tokens if t.cached_tokens_reported else None,
         "cached_tokens_reported_rows": t.cached_tokens_reported,
         "rows_by_sample": {str(k): v for k, v in sorted(t.samples.items())},
+        "engine_token_ids": {
+            "rows_with": t.rows_with_engine_ids,
+            "rows_without": t.rows_without_engine_ids,
+            "rows_whose_ids_disagree_with_usage": t.engine_ids_disagree,
+        },
         "chunks": t.chunks,
         "parts_present": t.parts_present,
         "stray_parts": t.stray_parts,
@@ -180,7 +185,7 @@ _MD_FIGURES = (
     "empty_content_not_truncated", "reasoning_missing", "reasoning_unexpected", "think_markers_in_content",
     "think_markers_in_reasoning", "reasoning_tokens_unreported", "usage_missing", "prompt_tokens", "output_tokens",
     "reasoning_tokens", "mean_output_tokens", "training_tokens", "turns_generated", "multi_turn_rows", "cut_short",
-    "cut_short_by_reason", "cached_prompt_tokens", "rows_by_sample",
+    "cut_short_by_reason", "cached_prompt_tokens", "rows_by_sample", "engine_token_ids",
 )
 
 

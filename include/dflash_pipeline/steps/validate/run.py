@@ -57,6 +57,8 @@ PART_READ_COLUMNS = [
     "turns",
     "cut_short",
     "cached_tokens",
+    # Kept since engine token ids: rows with / without them, and a check of their length against usage.
+    "output_token_ids",
 ]
 
 

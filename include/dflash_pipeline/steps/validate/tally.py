@@ -142,6 +142,10 @@ class Tally:
     cached_prompt_tokens: int = 0
     cached_tokens_reported: int = 0
     samples: Counter[int] = field(default_factory=Counter)
+    # The engine's token ids (tokenization builds training rows from them where present).
+    rows_with_engine_ids: int = 0
+    rows_without_engine_ids: int = 0
+    engine_ids_disagree: int = 0
 
     def sample(self, check: str, ids: Iterable[str]) -> None:
         kept = self.defect_ids.setdefault(check, [])

@@ -1,0 +1,428 @@
+"""Token-exact training rows: the ids the target model saw and produced, loss only on what it produced.
+
+Why: a drafter learns to predict the target's next token given exactly what the target saw. A
+token we train on that the model did not produce (a template's `<think>\\n`, the empty think block
+of `enable_thinking=false`, the `\\n</think>\\n\\n<|im_end|>` a template appends to a turn cut at
+`max_tokens`) or a context it was not given (reasoning re-inlined into later turns) teaches the
+drafter something the target never does, and costs acceptance rate.
+
+One training row per regenerated assistant turn (turns.py says which turns and their contexts):
+
+    input_ids = prompt ids ++ generated ids [++ the template's text after the end-of-turn token]
+    loss_mask =     0      ++       1       [++ 1 when `train_eot_newline`]
+
+* **Engine ids** (`ids_source` "engine"): the prompt and generated ids the engine returned
+  (vLLM `return_token_ids`), used as they are: never re-encoded, so a sampled sequence that is
+  not the canonical BPE encoding of its text stays what the model produced. The prompt is also
+  rendered and encoded here, only to count rows whose engine prompt differs from this tokenizer
+  and template (a tokenizer that is not the served model's shows up there).
+* **Re-encoded** (`ids_source` "retokenized", engines that return no ids): the prompt is the chat
+  template rendered with the generation prompt, as the engine renders it; the generated text is
+  what the template writes for the turn after that prompt, cut where the model stopped: through
+  the end-of-turn token when it finished, after its last generated text when `max_tokens` cut it
+  (no closers the model never wrote). Each is encoded and **checked** against the engine's own
+  counts (`usage.prompt_tokens`, `usage.completion_tokens`); a turn whose counts differ is counted,
+  named in the report and kept out of the shards unless `keep_unverified`.
+* `loss_on_reasoning` false trains only the tokens after the generated `</think>`.
+* The end-of-turn token the model emitted is trained; the template's text after it (ChatML's
+  `\\n`) is appended and trained when `train_eot_newline` (SpecForge's mask covers `<|im_end|>\\n`),
+  left out otherwise. A turn cut at `max_tokens` has neither.
+* Rows longer than `max_length` are cut there (`truncated_to_max_length`); a row left with no
+  trained token is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_pipeline.config import ConfigError
+from dflash_pipeline.dataset.records import unit_key
+from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
+from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, Recounter, text_variants
+
+logger = logging.getLogger(__name__)
+
+TRAIN_TURNS = ("all", "last")
+SETTINGS_FORMAT = 2
+"""1: one row per conversation, earlier reasoning re-inlined (before engine ids); 2: this module."""
+
+IDS_ENGINE = "engine"
+IDS_RETOKENIZED = "retokenized"
+
+TOKENIZED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("sample", pa.int32()),
+        ("turn", pa.int32()),
+        ("key", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_tokens", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+        ("truncated_to_max_length", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("ids_source", pa.string()),
+    ]
+)
+
+DROP_ERROR = "error_row"
+DROP_TRUNCATED = "finish_reason_length"
+DROP_NO_TURN = "no_regenerated_turn"
+DROP_TEMPLATE = "turn_not_found_in_rendered_text"
+DROP_UNVERIFIED = "ids_differ_from_engine_counts"
+DROP_NO_LOSS = "no_loss_tokens_within_max_length"
+
+EXAMPLES_KEPT = 20
+"""Keys of rows named per problem in a part's stats (the report keeps the first 100 overall)."""
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """What decides the shards' content; pinned under tokenized/ so a rerun cannot mix settings."""
+
+    tokenizer: str
+    max_length: int = 8192
+    train_turns: str = "all"
+    loss_on_reasoning: bool = True
+    drop_truncated: bool = False
+    enable_thinking: bool = True
+    train_eot_newline: bool = True
+    keep_unverified: bool = False
+    format: int = SETTINGS_FORMAT
+
+    def __post_init__(self) -> None:
+        if self.train_turns not in TRAIN_TURNS:
+            raise ConfigError(f"train_turns must be one of {TRAIN_TURNS}, got {self.train_turns!r}")
+        if self.max_length < 1:
+            raise ConfigError(f"max_length must be at least 1, got {self.max_length}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TokenizeSettings":
+        values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        values.setdefault("format", 1)  # pinned before this field existed: the old method
+        return cls(**values)
+
+
+def row_key(row_id: str, sample: int, turn: int, assistant_turns: int) -> str:
+    """A training row's key: the pipeline's unit key (`id`, `#sample=k` for k > 0), plus `#turn=t`
+    when its conversation has more than one assistant turn."""
+    key = unit_key({"id": row_id, "sample": sample})
+    return key if assistant_turns <= 1 else f"{key}#turn={turn}"
+
+
+@dataclass
+class Built:
+    """One training row (ids None: dropped, `drop` says why)."""
+
+    key: str
+    turn: TurnSource
+    input_ids: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    truncated: bool = False
+    source: str = IDS_ENGINE
+    drop: str | None = None
+    template_differs: bool = False
+    unverified: str = ""
+    """Why re-made ids disagree with the engine's counts (empty: they agree, or the ids are the engine's)."""
+
+
+@dataclass
+class _Plan:
+    """A turn's prompt and generated text where ids must be (re)made here."""
+
+    built: Built
+    prompt_text: str | None = None
+    generated_texts: tuple[str, ...] = ()
+    """What the model may have written (one candidate, or several for a turn cut by max_tokens)."""
+
+
+class TrainingRowBuilder:
+    """Builds training rows with one tokenizer and chat template (the recount's loader and renderer)."""
+
+    def __init__(self, recounter: Recounter, settings: TokenizeSettings) -> None:
+        self.rec = recounter
+        self.settings = settings
+        self.tokenizer = recounter.tokenizer
+        shape = recounter.shape
+        if shape is None or not shape.tail:
+            raise ConfigError("chat template: cannot find where an assistant turn ends (no text after the answer)")
+        added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        hits = [t for t in added if t and shape.tail.startswith(t)]
+        self.eot = max(hits, key=len) if hits else (shape.tail.rstrip() or shape.tail)
+        self.eot_id = added.get(self.eot)
+        self.after_eot = shape.tail[len(self.eot):]
+        self.after_eot_ids = np.asarray(self._encode([self.after_eot])[0] if self.after_eot else [], dtype=np.int32)
+        close = self.tokenizer.token_to_id(THINK_CLOSE)
+        self.think_close_id = None if close is None else int(close)
+        probe = [{"role": "user", "content": "probe question"}]
+        self.generation_prompt = recounter.render_messages(probe, add_generation_prompt=True)[
+            len(recounter.render_messages(probe)):]
+
+    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    # -- texts -------------------------------------------------------------------------------------
+    def prompt_text(self, turn: TurnSource) -> str:
+        return self.rec.render_messages([dict(m) for m in turn.context], add_generation_prompt=True)
+
+    def generated_texts(self, turn: TurnSource, prompt: str) -> tuple[str, ...]:
+        """What the model wrote after `prompt`, as the template writes the turn; empty when the template's
+        rendering of the turn does not extend the prompt or the turn's texts cannot be found in it.
+
+        A turn cut by `max_tokens` with an empty answer may have been cut inside its thinking, or just
+        after `</think>` or the newlines after it (the parsed fields look the same): each is a candidate,
+        and the one whose token count is the engine's is taken (none: the turn is unverified)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
+        if turn.reasoning:
+            msg["reasoning_content"] = turn.reasoning
+        full = self.rec.render_messages([*(dict(m) for m in turn.context), msg])
+        if not full.startswith(prompt):
+            return ()
+        text = full[len(prompt):]
+        if turn.finish_reason != "length":
+            end = text.find(self.eot)
+            return () if end < 0 else (text[: end + len(self.eot)],)
+        # Cut by max_tokens: the model stopped inside the last text it wrote, before any closer the
+        # template adds (`\n</think>\n\n`, the end-of-turn token).
+        last = turn.content if turn.content else (turn.reasoning or "")
+        limit = text.rfind(self.eot)
+        limit = len(text) if limit < 0 else limit
+        for variant in text_variants(last):
+            if variant:
+                pos = text.rfind(variant, 0, limit)
+                if pos >= 0:
+                    cut = pos + len(variant)
+                    out = [text[:cut]]
+                    close = text.find(THINK_CLOSE, cut, limit)
+                    if not turn.content and close >= 0:
+                        out.append(text[: close + len(THINK_CLOSE)])
+                        if limit > close + len(THINK_CLOSE):
+                            out.append(text[:limit])
+                    return tuple(out)
+        return ()
+
+    # -- rows --------------------------------------------------------------------------------------
+    def build(self, rows: Sequence[tuple[str, int, TurnSource]]) -> list[Built]:
+        """Training rows for (id, sample, turn) triples, in order; texts encoded in one batch."""
+        out: list[Built] = []
+        plans: list[_Plan] = []
+        for row_id, sample, turn in rows:
+            b = Built(row_key(row_id, sample, turn.index, turn.assistant_turns), turn)
+            out.append(b)
+            prompt = self.prompt_text(turn)
+            if turn.output_ids is not None:
+                b.source = IDS_ENGINE
+                plans.append(_Plan(b, prompt))
+                continue
+            b.source = IDS_RETOKENIZED
+            generated = self.generated_texts(turn, prompt)
+            if not generated:
+                b.drop = DROP_TEMPLATE
+                continue
+            plans.append(_Plan(b, prompt, generated))
+        texts: list[str] = []
+        for p in plans:
+            texts.append(p.prompt_text or "")
+            texts.extend(p.generated_texts)
+        encoded = iter(self._encode(texts))
+        for p in plans:
+            b, t = p.built, p.built.turn
+            rendered = np.asarray(next(encoded), dtype=np.int32)
+            if b.source == IDS_ENGINE:
+                assert t.output_ids is not None
+                if t.prompt_ids is not None:
+                    prompt_ids = t.prompt_ids
+                    b.template_differs = not np.array_equal(prompt_ids, rendered)
+                else:
+                    prompt_ids = rendered
+                    if t.prompt_tokens is not None and len(rendered) != t.prompt_tokens:
+                        b.unverified = f"prompt {len(rendered)} tokens, engine counted {t.prompt_tokens}"
+                output_ids = t.output_ids
+            else:
+                prompt_ids = rendered
+                candidates = [next(encoded) for _ in p.generated_texts]
+                chosen = next((c for c in candidates if len(c) == t.completion_tokens), candidates[0])
+                output_ids = np.asarray(chosen, dtype=np.int32)
+                problems = []
+                if t.prompt_tokens is not None and len(prompt_ids) != t.prompt_tokens:
+                    problems.append(f"prompt {len(prompt_ids)} tokens, engine counted {t.prompt_tokens}")
+                if t.completion_tokens is None or len(output_ids) != t.completion_tokens:
+                    problems.append(f"generated {len(output_ids)} tokens, engine counted {t.completion_tokens}")
+                b.unverified = "; ".join(problems)
+            if b.unverified and not self.settings.keep_unverified:
+                b.drop = DROP_UNVERIFIED
+                continue
+            self._assemble(b, prompt_ids, output_ids)
+        return out
+
+    def _assemble(self, b: Built, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
+        s = self.settings
+        train_from = 0
+        if not s.loss_on_reasoning:
+            hits = np.flatnonzero(output_ids == self.think_close_id) if self.think_close_id is not None else []
+            if len(hits):
+                train_from = int(hits[0]) + 1
+            elif b.turn.reasoning:
+                train_from = len(output_ids)  # cut inside the thinking: nothing but reasoning
+        tail = self.after_eot_ids if (s.train_eot_newline and self.eot_id is not None and len(output_ids)
+                                      and int(output_ids[-1]) == self.eot_id) else np.zeros(0, dtype=np.int32)
+        ids = np.concatenate([prompt_ids, output_ids, tail]).astype(np.int32, copy=False)
+        mask = np.zeros(len(ids), dtype=np.int8)
+        mask[len(prompt_ids) + train_from:] = 1
+        if len(ids) > s.max_length:
+            ids, mask, b.truncated = ids[: s.max_length], mask[: s.max_length], True
+        b.input_ids, b.loss_mask = ids, mask
+        if not mask.any():
+            b.drop = DROP_NO_LOSS
+
+
+@dataclass
+class PartStats:
+    """What one part contributed; summed by the report.
+
+    Units: `rows_in` counts completions rows; every other figure counts training rows (one per
+    regenerated assistant turn), an error row counting as one dropped training row."""
+
+    rows_in: int = 0
+    rows_out: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated_to_max_length: int = 0
+    max_tokens: int = 0
+    conversations_by_assistant_turns: dict[str, int] = field(default_factory=dict)
+    trained_turns: int = 0
+    max_loss_tokens_per_turn: int = 0
+    ids_source: dict[str, int] = field(default_factory=dict)
+    """Training rows written by where their ids came from (engine, retokenized)."""
+    rows_with_engine_ids: int = 0
+    rows_without_engine_ids: int = 0
+    """Completions rows (not error rows) whose turns all carry / none carry the engine's ids."""
+    unverified: int = 0
+    """Re-encoded turns whose token counts differ from the engine's (kept only with keep_unverified)."""
+    unverified_examples: list[str] = field(default_factory=list)
+    prompt_template_differs: int = 0
+    """Engine-id rows whose prompt ids differ from this tokenizer + template's encoding of the prompt."""
+    prompt_template_differs_examples: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def tokenize_table(
+    table: pa.Table, builder: TrainingRowBuilder, batch_rows: int = 256
+) -> tuple[pa.Table, list[dict[str, Any]], PartStats]:
+    """One completions part → (training rows, SpecForge conversations records, stats)."""
+    s = builder.settings
+    stats = PartStats(rows_in=table.num_rows)
+    dropped: Counter[str] = Counter()
+    by_turns: Counter[str] = Counter()
+    sources: Counter[str] = Counter()
+    cols: dict[str, list[Any]] = {n: [] for n in ("id", "sample", "turn", "key", "finish_reason", "ids_source")}
+    id_arrays: list[np.ndarray] = []
+    mask_arrays: list[np.ndarray] = []
+    truncated: list[bool] = []
+    export: list[dict[str, Any]] = []
+    wanted = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
+              "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
+    for batch in table.select([c for c in wanted if c in table.column_names]).to_batches(max_chunksize=batch_rows):
+        todo: list[tuple[str, int, TurnSource]] = []
+        for row in batch.to_pylist():
+            if row.get("error_class"):
+                dropped[DROP_ERROR] += 1
+                continue
+            turns = turns_of(row)
+            if not turns:
+                dropped[DROP_NO_TURN] += 1
+                continue
+            with_ids = sum(1 for t in turns if t.output_ids is not None)
+            stats.rows_with_engine_ids += with_ids == len(turns)
+            stats.rows_without_engine_ids += with_ids == 0
+            by_turns[str(turns[-1].assistant_turns)] += 1
+            chosen = turns if s.train_turns == "all" else turns[-1:]
+            sample = int(row.get("sample") or 0)
+            for t in chosen:
+                if s.drop_truncated and t.finish_reason == "length":
+                    dropped[DROP_TRUNCATED] += 1
+                else:
+                    todo.append((row["id"], sample, t))
+        for (row_id, sample, _), b in zip(todo, builder.build(todo)):
+            if b.template_differs:
+                stats.prompt_template_differs += 1
+                if len(stats.prompt_template_differs_examples) < EXAMPLES_KEPT:
+                    stats.prompt_template_differs_examples.append(b.key)
+            if b.unverified:
+                stats.unverified += 1
+                if len(stats.unverified_examples) < EXAMPLES_KEPT:
+                    stats.unverified_examples.append(f"{b.key}: {b.unverified}")
+            if b.drop is not None:
+                dropped[b.drop] += 1
+                continue
+            assert b.input_ids is not None and b.loss_mask is not None
+            cols["id"].append(row_id)
+            cols["sample"].append(sample)
+            cols["turn"].append(b.turn.index)
+            cols["key"].append(b.key)
+            cols["finish_reason"].append(b.turn.finish_reason)
+            cols["ids_source"].append(b.source)
+            sources[b.source] += 1
+            id_arrays.append(b.input_ids)
+            mask_arrays.append(b.loss_mask)
+            truncated.append(b.truncated)
+            stats.max_loss_tokens_per_turn = max(stats.max_loss_tokens_per_turn, int(b.loss_mask.sum()))
+            export.append(export_record(b.key, b.turn))
+    lengths = np.fromiter((len(a) for a in id_arrays), dtype=np.int64, count=len(id_arrays))
+    loss = np.fromiter((int(m.sum(dtype=np.int64)) for m in mask_arrays), dtype=np.int64, count=len(mask_arrays))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
+    flat_ids = np.concatenate(id_arrays) if id_arrays else np.zeros(0, dtype=np.int32)
+    flat_mask = np.concatenate(mask_arrays) if mask_arrays else np.zeros(0, dtype=np.int8)
+    out = pa.Table.from_arrays(
+        [
+            pa.array(cols["id"], type=pa.string()),
+            pa.array(cols["sample"], type=pa.int32()),
+            pa.array(cols["turn"], type=pa.int32()),
+            pa.array(cols["key"], type=pa.string()),
+            pa.ListArray.from_arrays(offsets, pa.array(flat_ids, type=pa.int32())),
+            pa.ListArray.from_arrays(offsets, pa.array(flat_mask, type=pa.int8())),
+            pa.array(lengths.astype(np.int32), type=pa.int32()),
+            pa.array(loss.astype(np.int32), type=pa.int32()),
+            pa.array(truncated, type=pa.bool_()),
+            pa.array(cols["finish_reason"], type=pa.string()),
+            pa.array(cols["ids_source"], type=pa.string()),
+        ],
+        schema=TOKENIZED_SCHEMA,
+    )
+    stats.rows_out = out.num_rows
+    stats.trained_turns = out.num_rows
+    stats.dropped = dict(sorted(dropped.items()))
+    stats.tokens = int(lengths.sum())
+    stats.loss_tokens = int(loss.sum())
+    stats.truncated_to_max_length = int(sum(truncated))
+    stats.max_tokens = int(lengths.max()) if len(lengths) else 0
+    stats.conversations_by_assistant_turns = dict(sorted(by_turns.items(), key=lambda kv: int(kv[0])))
+    stats.ids_source = dict(sorted(sources.items()))
+    return out, export, stats
+
+
+def export_record(key: str, turn: TurnSource) -> dict[str, Any]:
+    """SpecForge's conversations JSONL record of one training row: its context as the request carried it,
+    then the trained turn with its reasoning ({"id", "conversations": [{"role", "content",
+    "reasoning_content"?}]})."""
+    convs: list[dict[str, Any]] = [dict(m) for m in turn.context]
+    last: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.reasoning:
+        last["reasoning_content"] = turn.reasoning
+    convs.append(last)
+    return {"id": key, "conversations": convs}
