@@ -11,8 +11,9 @@ feeds it (and owns the probing thread); the generate worker only reads `limit`.
 Observations:
 - `on_probe(sample, ours)`, every `probe_every_s`: the server's load endpoint (vLLM `/metrics`:
   `vllm:num_requests_running`, `…_waiting`, `vllm:kv_cache_usage_perc`; SGLang `/v1/loads`:
-  `num_running_reqs`, `num_waiting_reqs`, `token_usage`, or `/get_load`) as a LoadSample, None for a generic server (no endpoint) or a
-  probe that failed; `ours` = our requests outstanding on the server at the probe.
+  `num_running_reqs`, `num_waiting_reqs`, `token_usage`, or `/get_load`) as a LoadSample, None
+  for a generic server (no endpoint) or a probe that failed; `ours` = our requests outstanding on
+  the server at the probe.
 - `on_completion(tokens, latency_s)`: per-token latency and the completion rate.
 - `on_rejection(status)`: a 503 or 429 answer.
 
@@ -34,7 +35,8 @@ Rules (each evaluated at a probe):
   grew from have `latency_min_samples` completions (of at least `min_latency_tokens` tokens and
   half the median length, so short answers' prefill share does not skew it). When less than
   `latency_efficiency` of the added concurrency turned into throughput (per-token latency rose
-  nearly as much as the concurrency), the limit is held at the earlier level's for `hold_s`.
+  nearly as much as the concurrency), the step is undone and the limit held at the earlier
+  level's for `hold_s`; growth after that goes one judged step at a time.
   A generic server (no load endpoint) grows only on this evidence, one judged step at a time,
   and backs off by `reject_cut` when its per-token latency rises by half at a constant limit.
 - **503 / 429**: the limit is cut to what the server holds at that probe (running + waiting: its
@@ -44,9 +46,10 @@ Rules (each evaluated at a probe):
   already in flight above a cut wait for room before their retry (the gate in
   ServerWatch.begin), so a cut is not undone by retries.
 
-Stability: every decrease is to a figure the server was seen running (or to a queue the server
-accepted), so a back-off trims the queue, never the batch; growth needs the server to show room
-at the current limit; holds stop a rejected or too-slow level from being retried for a while.
+Stability: with a load endpoint every decrease is to a figure the server was seen running (or to
+a queue it accepted), so a back-off trims the queue, never the batch; without one, to a level
+whose latency held, or by a quarter. Growth needs the server to show room at the current limit;
+holds stop a refused or too-slow level from being retried for a while.
 Cost: one GET of the load endpoint per `probe_every_s` (0.5 s) per server (per 0.25 s during the
 first slow start, which takes a few probes), none for a generic one.
 
