@@ -196,5 +196,6 @@ def test_progress_objects_and_manifest_carry_the_limit_over_time(s3_client, buck
     assert doc["concurrency_control"]["slots"] == 64
     found = record_concurrency(store, layout, "pg-run")
     entry = json.loads(store.get(layout.manifest_key)[0])["runs"]["pg-run"]["concurrency"][spec.name]
-    assert entry == {**entry, **found[spec.name]} and entry["mode"] == "load" and entry["start"] == 20
+    assert entry == {**entry, **found[spec.name]} and entry["mode"] == "discovered" and entry["evidence"] == "load"
+    assert entry["start"] == 20
     assert entry["final_slots"] == 64 and len(entry["changes"]) >= 3 and len(entry["limit_series"]) >= 3

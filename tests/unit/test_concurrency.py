@@ -96,8 +96,18 @@ def test_growth_needs_the_server_to_take_everything_we_give() -> None:
 def test_waiting_inside_the_server_within_step_jitter_is_not_saturation() -> None:
     ctl, clock = controller(64, declared=False)
     clock.t += 0.5
-    ctl.on_probe(LoadSample(64, 1), ours=ctl.limit)  # one waiting: a request between two engine steps
-    assert ctl.slots > 64
+    ctl.on_probe(LoadSample(70, 1), ours=ctl.limit)  # one waiting: a request between two engine steps
+    assert ctl.slots > 70
+
+
+def test_a_full_server_with_our_queue_in_transit_is_not_room() -> None:
+    """Declared 8 slots, 10 in flight: at some probes the 2 queued are on their way (not waiting in
+    the server yet, or their answers on the way back). 8 running is a full server: no growth."""
+    ctl, clock = controller(8, declared=True)
+    for i in range(200):
+        clock.t += 0.5
+        ctl.on_probe(LoadSample(8, i % 2), ours=ctl.limit)
+    assert ctl.slots == 8 and len(ctl.snapshot()["changes"]) == 1
 
 
 def test_declared_sglang_slots_stay_put() -> None:

@@ -27,8 +27,8 @@ Rules (each evaluated at a probe):
   jitter): the server runs R at once, so slots = R: at once when R is above the estimate; when R
   is below it, after `shrink_probes` probes in a row that all show it, R not rising (a burst still
   being prefilled is not a smaller capacity). The limit never goes below what the server runs.
-- **Room** (nothing waiting, at least `slots` running, our outstanding requests at the limit, KV
-  cache below `kv_full`): grow slots to max(R, slots x factor): x2 until the server was first seen
+- **Room** (nothing waiting, more than `slots` running, our outstanding requests at the limit,
+  KV cache below `kv_full`): grow slots to max(R, slots x factor): x2 until the server was first seen
   saturated (or its capacity was declared), probing every `ramp_probe_every_s` (0.25 s) then,
   x1.25 after; at most one step per probe interval.
 - **Latency per token** (every engine): a growth step is judged once both it and the level it
@@ -339,7 +339,9 @@ class ConcurrencyController:
             return
         self._low = []
         kv_full = sample.kv_usage is not None and sample.kv_usage >= p.kv_full
-        if may_grow and running >= self._slots and self._binding(ours, limit) and not kv_full \
+        # Room: the server runs more than we thought it could, nothing waits, and we gave it all we
+        # may (running == slots with our queue in transit is a full server, not room).
+        if may_grow and running > self._slots and self._binding(ours, limit) and not kv_full \
                 and self._growth_allowed(now, limit):
             grown = max(running, math.ceil(self._slots * self._factor()))
             self._set_slots(now, grown, f"{running} running, none waiting, {ours} of ours out: room, slots {grown}",

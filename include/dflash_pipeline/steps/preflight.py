@@ -306,7 +306,8 @@ def run_preflight(
 
 def record_concurrency(store: Store, layout: DatasetLayout, run_id: str) -> dict[str, Any]:
     """Copy each server's in-flight limit over the run (from the generate tasks' progress objects)
-    into `manifest.runs[run_id].concurrency`: the final limit and slots, the controller's changes
+    into `manifest.runs[run_id].concurrency`: what the limit was discovered from, the final limit and
+    slots, the refusals seen, the controller's changes
     (unix time, limit, slots, ceiling, reason) and the limit sampled over time ([unix time, limit]).
     Called once, after every generate task (validate), so the manifest has one writer then."""
     from dflash_pipeline.monitor.progress import H_LIMIT, H_T
@@ -325,7 +326,7 @@ def record_concurrency(store: Store, layout: DatasetLayout, run_id: str) -> dict
         series = [[h[H_T], h[H_LIMIT]] for h in doc.get("history") or [] if len(h) > H_LIMIT]
         found[str(doc.get("server"))] = {
             "worker": doc.get("worker"),
-            "mode": control.get("mode"),
+            "evidence": control.get("mode"),  # "load" (its load endpoint), "latency" (none), "fixed"
             "final_limit": control.get("limit", doc.get("in_flight_limit")),
             "final_slots": control.get("slots"),
             "rejections": control.get("rejections") or {},
