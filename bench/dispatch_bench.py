@@ -490,7 +490,8 @@ def measure(stats: list[dict[str, Any]], useful_tokens: int, killed: int | None,
         ideal = useful_tokens / c_all
     else:
         d = crash_t - t0
-        ideal = useful_tokens / c_all if useful_tokens <= c_all * d else d + (useful_tokens - c_all * d) / (c_all - lost)
+        ideal = (useful_tokens / c_all if useful_tokens <= c_all * d
+                 else d + (useful_tokens - c_all * d) / (c_all - lost))
     busy = []
     slot_seconds = []
     for i, s in enumerate(stats):

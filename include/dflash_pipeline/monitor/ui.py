@@ -257,7 +257,8 @@ def concurrency_svg(servers: Sequence[Mapping[str, Any]], series: Mapping[str, A
             pts.append(pt(t, v))
             prev = v
         control = srv.get("concurrency_control") or {}
-        tip = f'{srv["server"]}: limit {control.get("limit", "?")}, slots {control.get("slots", "?")} ({control.get("reason", "")})'
+        tip = (f'{srv["server"]}: limit {control.get("limit", "?")}, slots {control.get("slots", "?")} '
+               f'({control.get("reason", "")})')
         lines.append(f'<polyline class="limit-line" data-server="{_e(srv["server"])}" fill="none" stroke="{color}" '
                      f'stroke-width="1.6" points="{" ".join(pts)}"><title>{_e(tip)}</title></polyline>')
         legend.append(f'<span title="{_e(tip)}"><i style="background:{color}"></i>{_e(labels[i])}</span>')
