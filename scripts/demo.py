@@ -155,11 +155,9 @@ def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
         return False
     runs = stack.airflow.rest("GET", "/api/v2/dags/dflash_tokenize/dagRuns", params={"limit": 5}).json()
     run = (runs.get("dag_runs") or [{}])[-1]
-    shards = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=layout.tokenized_prefix).get("Contents", [])
-              if o["Key"].endswith(".parquet")]
     s = report["settings"]
     print(f"Tokenized ({run.get('run_type', '?')} run {run.get('dag_run_id', '?')}): {report['status']}, "
-          f"{len(shards)} shards, {report['rows_out']:,} rows ({report['rows_dropped']:,} dropped: "
+          f"{report['parts_tokenized']} parts, {report['rows_out']:,} training rows ({report['rows_dropped']:,} dropped: "
           f"{report['dropped_by_reason']}), {report['tokens']:,} tokens, {report['loss_tokens']:,} with loss "
           f"({report['loss_token_share']:.1%}), {report['truncated_to_max_length']:,} cut at max_length {s['max_length']}")
     src = report.get("ids_source") or {}
@@ -168,9 +166,11 @@ def follow_tokenize(stack: Stack, output_uri: str, timeout_s: float) -> bool:
           f"counts (the server without ids); {report['unverified']:,} failed that check")
     print(f"        tokenizer {s['tokenizer']} (validation's), train_turns {s['train_turns']}, "
           f"loss_on_reasoning {s['loss_on_reasoning']}, train_eot_newline {s['train_eot_newline']}")
-    print(f"        shards  s3://{BUCKET}/{layout.tokenized_prefix}part-*.parquet (id, sample, input_ids, loss_mask, ...)")
-    print(f"        export  s3://{BUCKET}/{layout.export_conversations_prefix}part-*.jsonl (SpecForge conversations)")
-    print(f"        report  s3://{BUCKET}/{layout.tokenized_report_md_key}")
+    for profile, files in (report.get("files") or {}).items():
+        for kind, key in files.items():
+            print(f"        {profile:11s} s3://{BUCKET}/{key}  ({kind}, {report['profiles'][profile]['rows']:,} rows)")
+    print(f"        card        s3://{BUCKET}/{layout.dataset_card_key} (datasets.load_dataset(<root>, \"parquet\"))")
+    print(f"        report      s3://{BUCKET}/{layout.tokenized_report_md_key}")
     return report["status"] == "complete"
 
 

@@ -9,6 +9,8 @@ Fixtures (see each docstring):
 * ``sim_fleet`` (function): factory ``sim_fleet(count=1, **SimConfig fields) -> SimFleet`` (in-process).
 * ``qwen_tokenizer`` (session): directory of Qwen's real BPE (tokenizer.json + tokenizer_config.json),
   built from the dashscope wheel on first use; skips when the wheel cannot be fetched (fails in CI).
+* ``trainers_python`` (session) / ``run_loaders``: the trainers' own loaders (SpecForge, speculators,
+  datasets) in .venv-trainers, run as a subprocess (tests/trainers/loaders.py).
 * ``airflow_dags_dir`` (session): a temporary folder parsed by ``airflow_stack`` as the extra DAG
   bundle ``test-dags``; drop throw-away DAG files in it, then ``airflow_stack.trigger(...)``.
 * ``airflow_stack`` (slow tests only; one stack per session): a running :class:`AirflowStack` with the
@@ -20,7 +22,9 @@ it is pointed at a temporary folder for the session.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -142,6 +146,43 @@ def qwen_tokenizer() -> Path:
         if os.environ.get("DFLASH_REQUIRE_QWEN_BPE") == "1":
             pytest.fail(f"Qwen BPE tokenizer required but unavailable: {exc}")
         pytest.skip(f"Qwen BPE tokenizer unavailable (the dashscope wheel could not be fetched): {exc}")
+
+
+# ---------------------------------------------------------------------------------- trainers
+
+TRAINER_LOADERS = Path(__file__).parent / "trainers" / "loaders.py"
+
+
+@pytest.fixture(scope="session")
+def trainers_python() -> Path:
+    python = REPO / ".venv-trainers" / "bin" / "python"
+    if not (python.is_file() and (REPO / ".venv-trainers" / ".installed").is_file()):
+        message = "no .venv-trainers: run `make trainers-venv` (SpecForge, speculators, datasets)"
+        if os.environ.get("DFLASH_REQUIRE_TRAINERS_VENV") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
+@pytest.fixture
+def run_loaders(trainers_python: Path, tmp_path: Path) -> Callable[..., list[tuple[dict[str, Any], list[dict[str, Any]]]]]:
+    """run_loaders([(command, [args...]), ...]): tests/trainers/loaders.py's commands in one .venv-trainers
+    process (one import of torch and the trainers); per command, its summary and the rows it dumped."""
+
+    def run(jobs: list[tuple[str, list[str]]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        outs = [tmp_path / f"{i}-{command}.dump.jsonl" for i, (command, _) in enumerate(jobs)]
+        spec = tmp_path / "jobs.json"
+        spec.write_text(json.dumps([[command, *args, "--out", str(out)] for (command, args), out in zip(jobs, outs)]))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HOME": str(tmp_path / "hf-home"), "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+        proc = subprocess.run([str(trainers_python), str(TRAINER_LOADERS), "batch", "--jobs", str(spec)],
+                              capture_output=True, text=True, env=env, timeout=900, check=False)
+        assert proc.returncode == 0, f"loaders failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+        summaries = json.loads(proc.stdout.strip().splitlines()[-1])
+        return [(summary, [json.loads(line) for line in out.read_text().splitlines()])
+                for summary, out in zip(summaries, outs)]
+
+    return run
 
 
 # ---------------------------------------------------------------------------------- Airflow

@@ -496,15 +496,6 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "with the chat template). Null = the one validation recounted with (from the dataset's report).",
         "section": SECTION_TOKENIZE,
     },
-    "max_length": {
-        "type": "integer",
-        "default": 8192,
-        "minimum": 16,
-        "maximum": 1048576,
-        "description": "Tokens per row at most: longer conversations are cut here and flagged "
-        "truncated_to_max_length (a row left with no trained token is dropped).",
-        "section": SECTION_TOKENIZE,
-    },
     "train_turns": {
         "type": "string",
         "enum": ["all", "last"],
@@ -563,13 +554,59 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+# -- what the trainers read (issue 23): output profiles and DFlash-ready rows. One block; the sources of the
+# defaults are in steps/tokenize/dflash.py and docs/trainers.md.
+TOKENIZE_PROFILES = ("parquet", "specforge", "speculators")
+DFLASH_MIN_LOSS_TOKENS = 32  # 2 x SpecForge's DFlash block size 16
+TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "max_length": {
+        "type": "integer",
+        "default": 4096,
+        "minimum": 16,
+        "maximum": 1048576,
+        "description": "Tokens per training row at most (SpecForge's Qwen3.5/3.6 DFlash recipes use 4096): a longer "
+        "row is cut here, as SpecForge and speculators cut it, and flagged truncated_to_max_length.",
+        "section": SECTION_TOKENIZE,
+    },
+    "profiles": {
+        "type": "array",
+        "default": list(TOKENIZE_PROFILES),
+        "minItems": 1,
+        "uniqueItems": True,
+        "items": {"type": "string", "enum": list(TOKENIZE_PROFILES)},
+        "description": "Files written per part, one folder per profile under tokenized/: 'parquet' (all columns, "
+        "loadable with datasets), 'specforge' (its pre-tokenized JSONL for data.prompts_path + a conversations "
+        "JSONL for data.train_data_path), 'speculators' (speculator-format JSONL for prepare-data). Each JSONL "
+        "profile costs about as much storage as the Parquet uncompressed.",
+        "section": SECTION_TOKENIZE,
+    },
+    "min_loss_tokens": {
+        "type": "integer",
+        "default": DFLASH_MIN_LOSS_TOKENS,
+        "minimum": 0,
+        "maximum": 1048576,
+        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report. "
+        "Default 2 x DFlash's block size 16; SpecForge 0.2.0 itself requires only 2.",
+        "section": SECTION_TOKENIZE,
+    },
+    "require_consecutive_loss_tokens": {
+        "type": "boolean",
+        "default": True,
+        "description": "Drop rows without two adjacent trained tokens: DFlash anchors each block on one, and "
+        "SpecForge refuses batches without them. Only an EAGLE-only dataset can turn this off.",
+        "section": SECTION_TOKENIZE,
+    },
+}
+TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
+
+
 @dataclass(frozen=True)
 class TokenizeConfig:
     """dflash_tokenize's params, checked (Airflow checks the schemas; this also serves library callers)."""
 
     output_uri: str | None = None
     tokenizer: str | None = None
-    max_length: int = 8192
+    max_length: int = 4096
     train_turns: str = "all"
     loss_on_reasoning: bool = True
     drop_truncated: bool = False
@@ -577,6 +614,9 @@ class TokenizeConfig:
     keep_unverified: bool = False
     workers: int = 4
     aws_conn_id: str = "aws_default"
+    profiles: tuple[str, ...] = TOKENIZE_PROFILES
+    min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
+    require_consecutive_loss_tokens: bool = True
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -595,4 +635,5 @@ class TokenizeConfig:
                     raise ConfigError(str(exc)) from exc
         values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
         values["tokenizer"] = values["tokenizer"] or None
+        values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
         return cls(**values)

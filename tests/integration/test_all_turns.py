@@ -266,6 +266,7 @@ def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids
 
     from dflash_pipeline.config import TokenizeConfig
     from dflash_pipeline.steps.tokenize import plan, run_assignment, write_report
+    from dflash_pipeline.steps.tokenize.profiles import profile_keys
 
     fleet = sim_fleet(engines=["vllm", "sglang"], tokenizer_dir=str(qwen_tokenizer), noncanonical_rate=0.05, **SIM)
     # The SGLang-wire server plays a version older than 0.5.17 (no token ids). Without engine ids a
@@ -276,7 +277,8 @@ def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids
     assert all(isinstance(r, dict) for r in run.run_all([run.worker(i) for i in range(2)]))
     report_v, rows = run.check()
     turns = sum(len(r["turns"]) for r in rows)
-    planned = plan(s3_client, [run.cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), workers=2))
+    planned = plan(s3_client, [run.cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), workers=2,
+                                                                   min_loss_tokens=1))
     for a in planned["assignments"]:
         run_assignment(s3_client, a)
     report = write_report(s3_client, planned["datasets"][0])
@@ -294,7 +296,7 @@ def test_regenerated_conversations_tokenize_one_row_per_turn_with_the_engine_ids
     seen = 0
     noncanonical = 0
     for c in range(len(run.manifest["chunks"]["sizes"])):
-        table = pq.read_table(io.BytesIO(run.store.get(run.layout.tokenized_part_key(c))[0]))
+        table = pq.read_table(io.BytesIO(run.store.get(run.layout.key(profile_keys("parquet", c)["rows"]))[0]))
         for row in table.to_pylist():
             src = by_key[(row["id"], row["sample"])]
             k = row["turn"]

@@ -70,7 +70,7 @@ def test_fleet_every_row_once_with_thinking_split(s3_client, bucket, engines) ->
     assert [s["engine"] for s in manifest["servers"]] == engines
     assert all(s["proof"]["reasoning_shape"] == "field" for s in manifest["servers"])
     vllm_entries = [s for s in manifest["servers"] if s["engine"] == "vllm"]
-    assert all(s["capacity_warning"] and s["version"] == "0.17.1-sim" for s in vllm_entries)
+    assert all(s["capacity_warning"] and s["version"] == "0.32.0+sim" for s in vllm_entries)
     # The proof requests are tagged and not counted: exactly one generation request per prompt.
     assert sum(s["generation_requests"] for s in stats) == n
     assert [s["proof_requests"] for s in stats] == [1, 1, 1]

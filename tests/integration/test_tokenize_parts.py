@@ -18,11 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.config import ConfigError, TokenizeConfig
-from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import PART_SCHEMA, encode_part
 from dflash_pipeline.dev.sim.rows import engine_row
 from dflash_pipeline.dev.sim.tokens import SimTokenModel
 from dflash_pipeline.steps.tokenize import TokenizeFailed, plan, run_assignment, write_report
+from dflash_pipeline.steps.tokenize.profiles import profile_keys
 
 OLD_ABSENT = ("sample", "conversation", "original_messages", "turns", "cut_short", "cached_tokens", "prompt_token_ids",
               "output_token_ids")
@@ -94,13 +95,13 @@ def _objects(client: Any, bucket: str, prefix: str) -> dict[str, tuple[str, Any]
 
 def _outputs(client: Any, bucket: str, layout: DatasetLayout) -> dict[str, tuple[str, Any]]:
     return {**_objects(client, bucket, layout.tokenized_prefix),
-            **_objects(client, bucket, layout.export_conversations_prefix)}
+            **_objects(client, bucket, layout.dataset_card_key)}
 
 
 def _read_tokenized(client: Any, bucket: str, layout: DatasetLayout) -> pa.Table:
     tables = []
     for c in range(PARTS):
-        body = client.get_object(Bucket=bucket, Key=layout.tokenized_part_key(c))["Body"].read()
+        body = client.get_object(Bucket=bucket, Key=layout.key(profile_keys("parquet", c)["rows"]))["Body"].read()
         tables.append(pq.read_table(io.BytesIO(body)))
     return pa.concat_tables(tables)
 
@@ -113,7 +114,7 @@ def dataset(s3_client: Any, bucket: str, qwen_tokenizer: Path) -> DatasetLayout:
 def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLayout, qwen_tokenizer: Path) -> None:
     from tokenizers import Tokenizer
 
-    cfg = TokenizeConfig(workers=3)
+    cfg = TokenizeConfig(min_loss_tokens=1, workers=3)
     planned = plan(s3_client, [dataset.uri], cfg)
     assert [sorted(j["parts"]) for a in planned["assignments"] for j in a["jobs"]] == [[0, 3], [1, 4], [2]]
     assert planned["datasets"][0]["settings"]["tokenizer"] == str(qwen_tokenizer)  # validation's tokenizer
@@ -146,19 +147,34 @@ def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLa
         assert trained.startswith("<think>\n") and "<|im_start|>" not in trained
         assert trained.endswith("<|im_end|>\n") == (fr == "stop")
 
-    body = s3_client.get_object(Bucket=bucket, Key=dataset.export_conversations_key(1))["Body"].read().decode()
+    conv_key = dataset.key(profile_keys("specforge", 1)["conversations"])
+    body = s3_client.get_object(Bucket=bucket, Key=conv_key)["Body"].read().decode()
     recs = [json.loads(line) for line in body.splitlines()]
     assert [r["id"] for r in recs[:2]] == ["p1-0#turn=0", "p1-0#turn=1"]
+    assert all(r["status"] == "success" for r in recs)
     last = recs[0]["conversations"][-1]  # texts as the engine's parser returned them (vLLM keeps the newlines)
     assert (last["role"], last["content"].strip(), last["reasoning_content"].strip()) == (
         "assistant", "First answer 0/0.", "think 0 a")
     assert recs[1]["conversations"][2] == {"role": "assistant", "content": last["content"]}  # as the request carried it
+    assert {p: v["rows"] for p, v in report["profiles"].items()} == {p: report["rows_out"] for p in
+                                                                     ("parquet", "specforge", "speculators")}
+    conv = report["profiles"]["specforge"]["specforge_conversations"]
+    assert conv["rows"] + sum(conv["skipped"].values()) == report["rows_out"]
+    for files in report["files"].values():  # every profile's files, one per part
+        for glob in files.values():
+            folder = glob.rsplit("/", 1)[0] + "/"
+            assert len([k for k in _objects(s3_client, bucket, folder) if chunk_of_key(k, folder) is not None]) == PARTS
+    card = s3_client.get_object(Bucket=bucket, Key=dataset.dataset_card_key)["Body"].read().decode()
+    assert card.startswith("---\nconfigs:") and "tokenizer.json sha256" in card
+    settings = json.loads(s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_settings_key)["Body"].read())
+    assert settings["provenance"]["tokenizer"]["tokenizer_json_sha256"] and settings["specforge_template"] == "qwen3-thinking"
+    assert report["provenance"] == settings["provenance"] and settings["provenance"]["tokenizer"]["tokenizer_json_sha256"] in card
     md = s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_md_key)["Body"].read().decode()
     assert f"| total tokens | {report['tokens']:,} |" in md
 
 
 def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
-    cfg = TokenizeConfig(workers=2)
+    cfg = TokenizeConfig(min_loss_tokens=1, workers=2)
     first = plan(s3_client, [dataset.uri], cfg)
     for a in first["assignments"]:
         run_assignment(s3_client, a)
@@ -171,11 +187,11 @@ def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: st
     assert (summary["written"], summary["present"], summary["lost_race"]) == (0, PARTS, 0)
     assert _outputs(s3_client, bucket, dataset) == before
     with pytest.raises(ConfigError, match="other settings.*max_length"):
-        plan(s3_client, [dataset.uri], TokenizeConfig(workers=2, max_length=4096))
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, max_length=8192))
 
 
 def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
-    planned = plan(s3_client, [dataset.uri], TokenizeConfig(workers=1))
+    planned = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=1))
     (assignment,) = planned["assignments"]
     results: list[dict[str, Any]] = []
     errors: list[BaseException] = []
@@ -198,13 +214,14 @@ def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bu
     assert sum(r["written"] + r["present"] + r["lost_race"] for r in results) == 2 * PARTS
     parts = [k for k in _objects(s3_client, bucket, dataset.tokenized_prefix) if k.endswith(".parquet")]
     assert len(parts) == PARTS
+    assert len(list(_objects(s3_client, bucket, dataset.tokenized_stats_prefix))) == PARTS
     report = write_report(s3_client, planned["datasets"][0])
     table = _read_tokenized(s3_client, bucket, dataset)
     assert report["rows_out"] == table.num_rows == 3 * (ROWS - 1) + 4 * ROWS
 
 
 def test_a_missing_part_fails_the_report(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
-    planned = plan(s3_client, [dataset.uri], TokenizeConfig(workers=2))
+    planned = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2))
     run_assignment(s3_client, planned["assignments"][0])  # worker 1 never ran
     with pytest.raises(TokenizeFailed, match="not tokenized"):
         write_report(s3_client, planned["datasets"][0])
@@ -218,7 +235,7 @@ def test_tokenizer_from_s3_gives_the_same_shards(s3_client: Any, bucket: str, da
         s3_client.put_object(Bucket=bucket, Key=f"models/qwen/{name}", Body=(qwen_tokenizer / name).read_bytes())
     other = _write_dataset(s3_client, bucket, "ds/tok-s3", str(qwen_tokenizer))
     for layout, spec in ((dataset, None), (other, f"s3://{bucket}/models/qwen")):
-        planned = plan(s3_client, [layout.uri], TokenizeConfig(workers=1, tokenizer=spec))
+        planned = plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1, tokenizer=spec))
         run_assignment(s3_client, planned["assignments"][0])
         write_report(s3_client, planned["datasets"][0])
     local, remote = (_read_tokenized(s3_client, bucket, lay) for lay in (dataset, other))

@@ -172,5 +172,10 @@ def test_consumer_dag_is_triggered_and_receives_the_fields(handoff_run: dict[str
     assert [tuple(t) for t in consumer["tasks"] if t[0] == "tokenize"] == [("tokenize", i, "success") for i in range(4)]
     (summary,) = consumer["report"]
     assert summary["output_uri"] == extra["output_uri"]
-    assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] == extra["completions"], (summary["dropped_by_reason"], summary["unverified"])
-    assert summary["rows_dropped"] == extra["errors"] and 0 < summary["loss_tokens"] < summary["tokens"]
+    # every completion is one training row (single-turn prompts), kept unless DFlash cannot train on it
+    dropped = dict(summary["dropped_by_reason"])
+    assert dropped.pop("error_row") == extra["errors"] and summary["unverified"] == 0, summary
+    assert set(dropped) <= {"fewer_than_min_loss_tokens"}, dropped
+    assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] + sum(dropped.values()) == extra["completions"]
+    assert summary["rows_out"] > 0 and 0 < summary["loss_tokens"] < summary["tokens"]
+    assert summary["ids_source"] == {"retokenized": summary["rows_out"]}  # these servers return no ids

@@ -45,7 +45,7 @@ def test_detects_each_engine(sims: Any) -> None:
     sg = probe_server(session, ServerSpec("sg", sims["sglang"].url))
     vl = probe_server(session, ServerSpec("vl", sims["vllm"].url))
     assert (sg.engine, sg.max_running_requests, sg.capacity_warning) == ("sglang", 16, None)
-    assert vl.engine == "vllm" and vl.version == "0.17.1-sim"
+    assert vl.engine == "vllm" and vl.version == "0.32.0+sim"
     assert vl.context_length == 8192 and vl.served_model_name == "Qwen/Qwen3-8B"
     assert vl.max_running_requests is None and "max_num_seqs" in (vl.capacity_warning or "")
     assert vl.max_total_num_tokens == 200000 // 16 * 16  # num_gpu_blocks x block_size from /metrics
@@ -111,7 +111,8 @@ def test_vllm_context_error_is_permanent(sims: Any) -> None:
     with pytest.raises(RequestFailure) as info:
         chat_once(new_chat_client(), ServerSpec("vl", sims["vllm"].url), body, 30)
     assert info.value.error_class == "ContextLengthExceeded" and info.value.kind == "permanent"
-    assert "maximum context length is 8192" in info.value.message
+    # vLLM 0.32's wording (tests/engine/test_vllm_wire.py sees it on a real server)
+    assert "max_tokens=9000 cannot be greater than max_model_len=8192" in info.value.message
 
 
 def test_nested_error_bodies() -> None:
@@ -191,7 +192,7 @@ def test_sglang_load_from_v1_loads_and_from_get_load_on_older_servers() -> None:
     assert sglang_load([{"dp_rank": 0, "num_reqs": 4, "num_waiting_reqs": 1}]) == 4
     assert sglang_load({"loads": []}) is None
 
-    class Old(BaseHTTPRequestHandler):  # SGLang < 0.5.9 shape: /get_load only, /v1/loads is 404
+    class Old(BaseHTTPRequestHandler):  # a server with /get_load only (/v1/loads answers 404)
         hits: list[str] = []
 
         def do_GET(self) -> None:  # noqa: N802

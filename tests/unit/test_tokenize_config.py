@@ -11,7 +11,7 @@ from dflash_pipeline.steps.tokenize import TokenizeSettings
 
 def test_defaults_and_bounds() -> None:
     cfg = TokenizeConfig.from_params({})
-    assert (cfg.max_length, cfg.train_turns, cfg.loss_on_reasoning, cfg.drop_truncated, cfg.workers) == (8192, "all", True, False, 4)
+    assert (cfg.max_length, cfg.train_turns, cfg.loss_on_reasoning, cfg.drop_truncated, cfg.workers) == (4096, "all", True, False, 4)
     for conf, msg in [({"max_length": 8}, "minimum of 16"), ({"workers": 0}, "minimum of 1"),
                       ({"train_turns": "first"}, "not one of"), ({"output_uri": "s3://bkt/../x"}, "not allowed"),
                       ({"tokenizer": "s3://B_/x"}, "not a valid S3 bucket"), ({"max_len": 5}, "unknown conf key"),
@@ -25,12 +25,13 @@ def test_defaults_and_bounds() -> None:
 
 
 def test_output_keys() -> None:
+    from dflash_pipeline.steps.tokenize.profiles import profile_keys
+
     lay = DatasetLayout("b", "ds/x")
-    assert lay.tokenized_part_key(7) == "ds/x/tokenized/part-000007.parquet"
-    assert lay.tokenized_stats_key(7) == "ds/x/tokenized/stats/part-000007.json"
-    assert lay.export_conversations_key(7) == "ds/x/export/conversations/part-000007.jsonl"
-    assert chunk_of_key(lay.tokenized_part_key(7), lay.tokenized_prefix) == 7
-    # stats and settings under tokenized/ are not parts
-    assert chunk_of_key(lay.tokenized_stats_key(7), lay.tokenized_prefix) is None
-    assert chunk_of_key(lay.tokenized_settings_key, lay.tokenized_prefix) is None
-    assert chunk_of_key(lay.export_conversations_key(3), lay.export_conversations_prefix) == 3
+    assert lay.tokenized_stats_key(7) == "ds/x/tokenized/stats/part-000007.json"  # the commit point
+    assert chunk_of_key(lay.tokenized_stats_key(7), lay.tokenized_stats_prefix) == 7
+    assert chunk_of_key(lay.tokenized_settings_key, lay.tokenized_stats_prefix) is None
+    assert chunk_of_key(lay.tokenized_report_key, lay.tokenized_stats_prefix) is None
+    assert lay.key(profile_keys("parquet", 7)["rows"]) == "ds/x/tokenized/parquet/part-000007.parquet"
+    assert lay.key(profile_keys("specforge", 7)["conversations"]) == "ds/x/tokenized/specforge-conversations/part-000007.jsonl"
+    assert lay.dataset_card_key == "ds/x/README.md"

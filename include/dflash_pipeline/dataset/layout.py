@@ -133,15 +133,16 @@ class DatasetLayout:
     def tokenized_prefix(self) -> str:
         return self._k("tokenized/")
 
-    def tokenized_part_key(self, chunk: int) -> str:
-        """The commit point of a part: written last, with If-None-Match."""
-        return f"{self.tokenized_prefix}part-{chunk:0{CHUNK_DIGITS}d}.parquet"
+    def key(self, relative: str) -> str:
+        """The key of a path relative to the dataset root (the tokenize profiles' files)."""
+        return self._k(relative)
 
     @property
     def tokenized_stats_prefix(self) -> str:
         return self._k("tokenized/stats/")
 
     def tokenized_stats_key(self, chunk: int) -> str:
+        """The commit point of a tokenized part: written last (after every profile's file), If-None-Match."""
         return f"{self.tokenized_stats_prefix}part-{chunk:0{CHUNK_DIGITS}d}.json"
 
     @property
@@ -158,11 +159,9 @@ class DatasetLayout:
         return self._k("tokenized/report.md")
 
     @property
-    def export_conversations_prefix(self) -> str:
-        return self._k("export/conversations/")
-
-    def export_conversations_key(self, chunk: int) -> str:
-        return f"{self.export_conversations_prefix}part-{chunk:0{CHUNK_DIGITS}d}.jsonl"
+    def dataset_card_key(self) -> str:
+        """README.md at the dataset root: the dataset card (what Hugging Face `datasets` reads)."""
+        return self._k("README.md")
 
     def run_key(self, run_id: str, name: str) -> str:
         return self._k(f"runs/{safe_run_id(run_id)}/{name}")

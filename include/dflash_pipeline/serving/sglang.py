@@ -100,7 +100,14 @@ class RequestFailure(Exception):
         return self.kind == "transient"
 
 
-_CONTEXT_HINTS = ("context length", "context_length", "maximum context", "too long", "longer than the model")
+_CONTEXT_HINTS = (
+    "context length", "context_length", "maximum context", "too long", "longer than the model",
+    # vLLM 0.32: "max_tokens=X cannot be greater than max_model_len=N." (max_tokens alone exceeds the context)
+    "than max_model_len",
+    # vLLM 0.32 clamps max_tokens to the room left beside the prompt; a prompt that fills the whole
+    # context leaves none: "max_tokens must be at least 1, got 0." (never sent by us: max_tokens >= 1)
+    "must be at least 1, got 0",
+)
 
 
 def classify_http_error(status: int, body: str) -> RequestFailure:

@@ -785,11 +785,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             return
         messages, max_tokens, enable_thinking, separate_reasoning, model = request
         token_model = tokens.load_token_model(config.tokenizer_dir) if config.tokenizer_dir else None
-        if token_model is not None:
-            kwargs = {**self._template_kwargs, "enable_thinking": enable_thinking}
-            prompt_tokens = len(token_model.encode(token_model.render(messages, kwargs)))
-        else:
-            prompt_tokens = lengths.count_prompt_tokens(messages)
+        prompt_tokens = self._prompt_tokens
         vllm_error = (vllm_wire.context_error(prompt_tokens, max_tokens, config.context_length)
                       if config.engine == "vllm" else None)
         if vllm_error:
@@ -898,6 +894,14 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             },
         })
 
+    def _count_prompt(self, messages: list[Any], enable_thinking: bool) -> int:
+        """`usage.prompt_tokens`: the rendered, encoded prompt with a tokenizer (tokens.py), else the word model's."""
+        config = self.server.sim.config
+        if not config.tokenizer_dir:
+            return lengths.count_prompt_tokens(messages)
+        model = tokens.load_token_model(config.tokenizer_dir)
+        return len(model.encode(model.render(messages, {**self._template_kwargs, "enable_thinking": enable_thinking})))
+
     def _parse_chat(self, body: bytes) -> tuple[list[Any], int | None, bool, bool, Any] | None:
         """Validate the OpenAI body; on error answer 400 and return None."""
         try:
@@ -919,11 +923,17 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         if obj.get("stream"):
             self._bad_request(STREAM_UNSUPPORTED_MSG)
             return None
-        max_tokens = obj.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = obj.get("max_tokens")
-        if max_tokens is not None and (isinstance(max_tokens, bool)
-                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+        config = self.server.sim.config
+        vllm = config.engine == "vllm"
+        if vllm:
+            missing = vllm_wire.model_error(obj.get("model"), str(config.served_model_name))
+            if missing:
+                self._error(404, missing, "NotFoundError")
+                return None
+        field = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = obj.get(field)
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or (max_tokens < 0 and not vllm)):
             self._bad_request("max_tokens must be a non-negative integer")
             return None
         kwargs = obj.get("chat_template_kwargs") or {}
@@ -931,10 +941,19 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             self._bad_request("chat_template_kwargs must be an object")
             return None
         enable_thinking = bool(kwargs.get("enable_thinking", True)) and self.server.sim.config.thinks
+        self._template_kwargs = {k: v for k, v in kwargs.items() if isinstance(k, str)}
+        self._prompt_tokens = self._count_prompt(messages, enable_thinking)
+        if vllm:
+            # vLLM refuses max_tokens above max_model_len or below 1, and clamps one that does not fit
+            # beside the prompt (see vllm_wire.check_max_tokens).
+            max_tokens, refused = vllm_wire.check_max_tokens(field, max_tokens, self._prompt_tokens,
+                                                             config.context_length)
+            if refused:
+                self._bad_request(refused)
+                return None
         seed = obj.get("seed")
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         separate_reasoning = obj.get("separate_reasoning", True) is not False
-        self._template_kwargs = {k: v for k, v in kwargs.items() if isinstance(k, str)}
         supported = self.server.sim.config.token_ids_supported
         self._return_token_ids = supported and obj.get("return_token_ids") is True
         self._return_prompt_token_ids = supported and obj.get("return_prompt_token_ids") is True

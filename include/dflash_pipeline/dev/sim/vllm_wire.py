@@ -23,10 +23,24 @@ Checked against vLLM's source (vllm-project/vllm, main):
   ``/sim/stats`` and ``/sim/config`` show it, and ``POST /sim/config`` changes it at run time
   (running requests above a lowered figure finish; new ones wait), which stands for a vLLM server
   whose effective batch shrinks (KV-cache pressure).
-* Context-length 400s: "This model's maximum context length is N tokens. However, your request
-  has M input tokens. ..." and "'max_tokens' or 'max_completion_tokens' is too large: ...".
+* Context-length 400s: "This model's maximum context length is N tokens. However, your prompt
+  contains at least N+1 input tokens, which exceeds this limit even without any output tokens.
+  ..." (the prompt is tokenized with truncation at N+1, so the count is always "at least N+1");
+  a ``max_tokens`` above ``max_model_len``: "max_tokens=X cannot be greater than max_model_len=N.
+  ..."; a prompt of exactly N tokens: "max_tokens must be at least 1, got 0." A ``max_tokens`` that
+  fits ``max_model_len`` but not beside the prompt is clamped to ``max_model_len - prompt``
+  (``entrypoints/serve/utils/api_utils.get_max_tokens``): no error, the answer ends by ``length``.
+  Validation messages end with "(parameter=P, value=V)" and the body's ``param`` is P
+  (``vllm/exceptions.py`` ``VLLMValidationError``).
+* An unknown ``model``: 404 ``NotFoundError``, "The model `x` does not exist. Valid aliases: ...",
+  ``param: "model"`` (``entrypoints/serve/engine/serving.py``); no ``model`` means the served one.
+* Without ``--enable-scale-out``, ``/v1/chat/completions/render`` and the other scale-out routes
+  answer 403 ``PermissionDeniedError`` (``entrypoints/scale_out/factories.py``).
 * There is no ``/get_server_info``, ``/server_info``, ``/get_load`` or ``/health_generate``
   (404 ``{"detail": "Not Found"}``); ``/health`` answers 200 with an empty body.
+
+Each of these was also observed on a real vLLM 0.32.0 server (CPU build) by
+tests/engine/test_vllm_wire.py, which runs the same checks against this flavour.
 
 The reasoning split follows the server's ``--reasoning-parser`` (``SimConfig.reasoning_parser``)
 alone: vLLM has no per-request ``separate_reasoning``.
@@ -34,11 +48,22 @@ alone: vLLM has no per-request ``separate_reasoning``.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
-VLLM_SIM_VERSION = "0.17.1-sim"
-"""What ``/version`` answers (a vLLM version in which ``reasoning`` replaced ``reasoning_content``)."""
+VLLM_SIM_VERSION = "0.32.0+sim"
+"""What ``/version`` answers: the vLLM release whose wire this flavour was checked against (a real
+0.32.0 answers ``{"version": "0.32.0"}``)."""
+SCALE_OUT_ROUTES = (
+    "/v1/chat/completions/render", "/v1/completions/render", "/v1/chat/completions/derender",
+    "/v1/completions/derender", "/v1/messages/render", "/v1/responses/render", "/inference/v1/generate",
+    "/inference/v1/abort_requests",
+)
+SCALE_OUT_DISABLED_MSG = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+
+SYSTEM_FINGERPRINT = f"vllm-{VLLM_SIM_VERSION.split('+')[0]}-{uuid.uuid4().hex[:8]}"
+"""vLLM 0.32 answers `vllm-<version>-<8 hex>`, one per server start."""
 
 GET_ROUTES = {
     "/health": "_health",
@@ -52,32 +77,64 @@ POST_ROUTES = {
     "/sim/config": "_sim_config",
     "/sim/crash": "_sim_crash",
     "/sim/reset_stats": "_sim_reset_stats",
+    **{route: "_vllm_scale_out_disabled" for route in SCALE_OUT_ROUTES},
 }
 
 INPUT_TOO_LONG_MSG = (
-    "This model's maximum context length is {context_length} tokens. However, your request has "
-    "{input_tokens} input tokens. Please reduce the length of the input messages."
+    "This model's maximum context length is {context_length} tokens. However, your prompt contains "
+    "at least {input_tokens} input tokens, which exceeds this limit even without any output tokens. "
+    "Please reduce the length of the input prompt. (parameter=input_tokens, value={input_tokens})"
 )
 MAX_TOKENS_TOO_LARGE_MSG = (
-    "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-    "context length is {context_length} tokens and your request has {input_tokens} input tokens "
-    "({max_tokens} > {context_length} - {input_tokens}). (parameter=max_tokens, value={max_tokens})"
+    "{field}={max_tokens} cannot be greater than max_model_len={context_length}. Please request fewer "
+    "output tokens. (parameter={field}, value={max_tokens})"
 )
+MAX_TOKENS_TOO_SMALL_MSG = "{field} must be at least 1, got {max_tokens}. (parameter={field}, value={max_tokens})"
+MODEL_NOT_FOUND_MSG = "The model `{model}` does not exist. Valid aliases: {served}."
+_PARAM = re.compile(r"\(parameter=([A-Za-z_]+), value=[^)]*\)$")
 
 
 def error_body(code: int, message: str, err_type: str) -> dict[str, Any]:
-    """vLLM's nested ErrorResponse."""
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    """vLLM's nested ErrorResponse; `param` is the parameter a validation message names at its end."""
+    m = _PARAM.search(message)
+    if m:
+        param: str | None = m.group(1)
+    else:
+        param = "model" if err_type == "NotFoundError" and message.startswith("The model `") else None
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def context_error(prompt_tokens: int, max_tokens: int | None, context_length: int) -> str | None:
-    """vLLM's 400 message when the request cannot fit, else None."""
-    if prompt_tokens >= context_length:
-        return INPUT_TOO_LONG_MSG.format(context_length=context_length, input_tokens=prompt_tokens)
-    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
-        return MAX_TOKENS_TOO_LARGE_MSG.format(max_tokens=max_tokens, context_length=context_length,
-                                               input_tokens=prompt_tokens)
+    """vLLM's 400 message for a prompt longer than the context, else None (a `max_tokens` that does
+    not fit beside the prompt was already clamped or refused by :func:`check_max_tokens`)."""
+    del max_tokens
+    if prompt_tokens > context_length:
+        return INPUT_TOO_LONG_MSG.format(context_length=context_length, input_tokens=context_length + 1)
     return None
+
+
+def check_max_tokens(field: str, max_tokens: int | None, prompt_tokens: int,
+                     context_length: int) -> tuple[int | None, str | None]:
+    """(the max_tokens vLLM generates with, None) or (None, its 400 message): above
+    max_model_len or below 1 is refused; otherwise clamped to what fits beside the prompt (a
+    prompt longer than the context is left to :func:`context_error`)."""
+    if max_tokens is not None and max_tokens > context_length:
+        return None, MAX_TOKENS_TOO_LARGE_MSG.format(field=field, max_tokens=max_tokens, context_length=context_length)
+    if max_tokens is not None and max_tokens < 1:
+        return None, MAX_TOKENS_TOO_SMALL_MSG.format(field=field, max_tokens=max_tokens)
+    if prompt_tokens > context_length:
+        return max_tokens, None
+    room = context_length - prompt_tokens
+    if room < 1:
+        return None, MAX_TOKENS_TOO_SMALL_MSG.format(field="max_tokens", max_tokens=room)
+    return room if max_tokens is None else min(max_tokens, room), None
+
+
+def model_error(model: Any, served_model_name: str) -> str | None:
+    """vLLM's 404 message for a `model` it does not serve (None or "" means the served one)."""
+    if not model or model == served_model_name:
+        return None
+    return MODEL_NOT_FOUND_MSG.format(model=model, served=served_model_name)
 
 
 def chat_response(model: str, created: int, completion: Any, prompt_tokens: int, cached_tokens: int = 0,
@@ -87,7 +144,7 @@ def chat_response(model: str, created: int, completion: Any, prompt_tokens: int,
     `prompt_token_ids` and the choice's `token_ids` with `return_token_ids`, else null)."""
     prompt_ids, output_ids = token_ids if token_ids is not None else (None, None)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
         "object": "chat.completion",
         "created": created,
         "model": model,
@@ -100,18 +157,24 @@ def chat_response(model: str, created: int, completion: Any, prompt_tokens: int,
             "finish_reason": completion.finish_reason,
             "stop_reason": None,
             "token_ids": output_ids,
+            "routed_experts": None,
         }],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion.completion_tokens,
             "completion_tokens": completion.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None,
+            # vLLM 0.32 with a reasoning parser: the ids before `</think>` (all of them when cut inside it).
+            "completion_tokens_details": {"reasoning_tokens": completion.reasoning_tokens},
         },
         "prompt_logprobs": None,
         "prompt_token_ids": prompt_ids,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -127,9 +190,15 @@ def models_body(served_model_name: str, model_path: str, created: int, context_l
     }]}
 
 
+METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+"""What a real vLLM 0.32 /metrics answers with (prometheus_client's exposition format 1.0.0)."""
+
+
 def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_size: int = 16,
                  kv_usage: float = 0.0) -> str:
-    """The part of vLLM's Prometheus exposition a client can use (load, KV cache use and config)."""
+    """The part of vLLM's Prometheus exposition a client can use: load gauges (labels `engine`,
+    `model_name`), the KV-cache usage gauge and the CacheConfig info gauge (a subset of its labels,
+    sorted as prometheus_client writes them)."""
     label = f'engine="0",model_name="{model}"'
     return (
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -138,14 +207,20 @@ def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_s
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
         f"vllm:num_requests_waiting{{{label}}} {float(waiting)}\n"
+        "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: "
+        "'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints "
+        "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n"
+        "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+        f'vllm:num_requests_waiting_by_reason{{{label},reason="capacity"}} {float(waiting)}\n'
+        f'vllm:num_requests_waiting_by_reason{{{label},reason="deferred"}} 0.0\n'
         "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
         "# TYPE vllm:kv_cache_usage_perc gauge\n"
         f"vllm:kv_cache_usage_perc{{{label}}} {float(kv_usage)}\n"
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
         "# TYPE vllm:cache_config_info gauge\n"
         f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",'
-        f'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
-        f'num_gpu_blocks="{kv_blocks}"}} 1.0\n'
+        f'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",'
+        f'kv_cache_size_tokens="{kv_blocks * block_size}",num_gpu_blocks="{kv_blocks}"}} 1.0\n'
     )
 
 
@@ -165,7 +240,10 @@ class VllmEndpoints:
     def _vllm_metrics(self, _body: bytes) -> None:
         running, waiting, tokens = self.sim._sched.load()
         config = self.sim.config
-        usage = min(1.0, tokens / config.max_total_num_tokens) if config.max_total_num_tokens > 0 else 0.0
+        usage = min(1.0, tokens / config.max_total_num_tokens) if config.max_total_num_tokens else 0.0
         text = metrics_text(config.served_model_name, running, waiting, config.max_total_num_tokens // 16,
-                            kv_usage=round(usage, 4))
-        self._send(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")  # type: ignore[attr-defined]
+                            kv_usage=usage)
+        self._send(200, text.encode(), content_type=METRICS_CONTENT_TYPE)  # type: ignore[attr-defined]
+
+    def _vllm_scale_out_disabled(self, _body: bytes) -> None:
+        self._send_json(403, error_body(403, SCALE_OUT_DISABLED_MSG, "PermissionDeniedError"))  # type: ignore[attr-defined]

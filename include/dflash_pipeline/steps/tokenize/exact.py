@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash_pipeline.config import ConfigError
+from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
 from dflash_pipeline.dataset.records import unit_key
+from dflash_pipeline.steps.tokenize.dflash import dflash_ready
 from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
 from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, Recounter, text_variants
 
@@ -69,8 +70,12 @@ TOKENIZED_SCHEMA = pa.schema(
         ("truncated_to_max_length", pa.bool_()),
         ("finish_reason", pa.string()),
         ("ids_source", pa.string()),
+        ("ids_canonical", pa.bool_()),
     ]
 )
+"""The training rows of one completions part (the `parquet` profile writes them as they are). `ids_canonical`:
+the generated ids are the canonical encoding of their text, so a trainer that re-tokenizes the text (SpecForge's
+conversations path) gets the same ids; null when not checked (no profile needs it)."""
 
 DROP_ERROR = "error_row"
 DROP_TRUNCATED = "finish_reason_length"
@@ -88,13 +93,16 @@ class TokenizeSettings:
     """What decides the shards' content; pinned under tokenized/ so a rerun cannot mix settings."""
 
     tokenizer: str
-    max_length: int = 8192
+    max_length: int = 4096
     train_turns: str = "all"
     loss_on_reasoning: bool = True
     drop_truncated: bool = False
     enable_thinking: bool = True
     train_eot_newline: bool = True
     keep_unverified: bool = False
+    profiles: tuple[str, ...] = TOKENIZE_PROFILES
+    min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
+    require_consecutive_loss_tokens: bool = True
     format: int = SETTINGS_FORMAT
 
     def __post_init__(self) -> None:
@@ -104,12 +112,16 @@ class TokenizeSettings:
             raise ConfigError(f"max_length must be at least 1, got {self.max_length}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["profiles"] = list(self.profiles)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TokenizeSettings":
         values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         values.setdefault("format", 1)  # pinned before this field existed: the old method
+        if "profiles" in values:
+            values["profiles"] = tuple(values["profiles"])
         return cls(**values)
 
 
@@ -167,6 +179,8 @@ class TrainingRowBuilder:
         probe = [{"role": "user", "content": "probe question"}]
         self.generation_prompt = recounter.render_messages(probe, add_generation_prompt=True)[
             len(recounter.render_messages(probe)):]
+        self.provenance: dict[str, Any] = {}
+        """The tokenizer file's and template's hashes (set by the loader, which has the files)."""
 
     def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
@@ -267,6 +281,18 @@ class TrainingRowBuilder:
             self._assemble(b, prompt_ids, output_ids)
         return out
 
+    def canonical(self, generated: Sequence[np.ndarray | None]) -> list[bool]:
+        """Per row: its generated ids are the canonical encoding of their text (a re-encoded row is, by
+        construction). One batch decode + encode of the engine-id rows' outputs."""
+        todo = [i for i, g in enumerate(generated) if g is not None]
+        out = [True] * len(generated)
+        if not todo:
+            return out
+        texts = self.tokenizer.decode_batch([generated[i].tolist() for i in todo], skip_special_tokens=False)
+        for i, ids in zip(todo, self._encode(texts)):
+            out[i] = bool(np.array_equal(np.asarray(ids, dtype=np.int32), generated[i]))
+        return out
+
     def _assemble(self, b: Built, prompt_ids: np.ndarray, output_ids: np.ndarray) -> None:
         s = self.settings
         train_from = 0
@@ -316,6 +342,11 @@ class PartStats:
     prompt_template_differs: int = 0
     """Engine-id rows whose prompt ids differ from this tokenizer + template's encoding of the prompt."""
     prompt_template_differs_examples: list[str] = field(default_factory=list)
+    ids_not_canonical: int = 0
+    """Rows kept whose engine ids are not the canonical encoding of their text (checked when a profile
+    whose trainer re-tokenizes text, SpecForge's conversations, is written; they are left out of it)."""
+    profiles: dict[str, Any] = field(default_factory=dict)
+    """Per profile: rows written, files, and the SpecForge conversations export's figures."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -323,18 +354,22 @@ class PartStats:
 
 def tokenize_table(
     table: pa.Table, builder: TrainingRowBuilder, batch_rows: int = 256
-) -> tuple[pa.Table, list[dict[str, Any]], PartStats]:
-    """One completions part → (training rows, SpecForge conversations records, stats)."""
+) -> tuple[pa.Table, list[list[dict[str, Any]]], PartStats]:
+    """One completions part → (training rows, each row's conversation as generated, stats).
+
+    The rows are DFlash-ready (dflash.py: cut at max_length, at least `min_loss_tokens` trained tokens,
+    two adjacent); the conversations (role, content, reasoning: the context as the request carried it,
+    then the trained turn with its reasoning) are aligned with the rows, for the conversations exports."""
     s = builder.settings
     stats = PartStats(rows_in=table.num_rows)
     dropped: Counter[str] = Counter()
     by_turns: Counter[str] = Counter()
-    sources: Counter[str] = Counter()
     cols: dict[str, list[Any]] = {n: [] for n in ("id", "sample", "turn", "key", "finish_reason", "ids_source")}
     id_arrays: list[np.ndarray] = []
     mask_arrays: list[np.ndarray] = []
     truncated: list[bool] = []
-    export: list[dict[str, Any]] = []
+    generated: list[np.ndarray | None] = []
+    conversations: list[list[dict[str, Any]]] = []
     wanted = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
               "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
     for batch in table.select([c for c in wanted if c in table.column_names]).to_batches(max_chunksize=batch_rows):
@@ -377,18 +412,18 @@ def tokenize_table(
             cols["key"].append(b.key)
             cols["finish_reason"].append(b.turn.finish_reason)
             cols["ids_source"].append(b.source)
-            sources[b.source] += 1
             id_arrays.append(b.input_ids)
             mask_arrays.append(b.loss_mask)
             truncated.append(b.truncated)
-            stats.max_loss_tokens_per_turn = max(stats.max_loss_tokens_per_turn, int(b.loss_mask.sum()))
-            export.append(export_record(b.key, b.turn))
+            generated.append(b.turn.output_ids if b.source == IDS_ENGINE else None)
+            conversations.append(conversation_of(b.turn))
+    canonical = builder.canonical(generated) if "specforge" in s.profiles else [None] * len(generated)
     lengths = np.fromiter((len(a) for a in id_arrays), dtype=np.int64, count=len(id_arrays))
     loss = np.fromiter((int(m.sum(dtype=np.int64)) for m in mask_arrays), dtype=np.int64, count=len(mask_arrays))
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), type=pa.int32())
     flat_ids = np.concatenate(id_arrays) if id_arrays else np.zeros(0, dtype=np.int32)
     flat_mask = np.concatenate(mask_arrays) if mask_arrays else np.zeros(0, dtype=np.int8)
-    out = pa.Table.from_arrays(
+    built = pa.Table.from_arrays(
         [
             pa.array(cols["id"], type=pa.string()),
             pa.array(cols["sample"], type=pa.int32()),
@@ -401,28 +436,33 @@ def tokenize_table(
             pa.array(truncated, type=pa.bool_()),
             pa.array(cols["finish_reason"], type=pa.string()),
             pa.array(cols["ids_source"], type=pa.string()),
+            pa.array(canonical, type=pa.bool_()),
         ],
         schema=TOKENIZED_SCHEMA,
     )
+    ready = dflash_ready(built, max_length=s.max_length, min_loss_tokens=s.min_loss_tokens,
+                         require_consecutive=s.require_consecutive_loss_tokens)
+    out = ready.table.select(TOKENIZED_SCHEMA.names).cast(TOKENIZED_SCHEMA)
+    conversations = [conversations[i] for i in ready.kept.tolist()]
+    dropped.update(ready.dropped)
+    n_tokens = out.column("num_tokens").to_numpy().astype(np.int64) if out.num_rows else np.zeros(0, np.int64)
+    n_loss = out.column("num_loss_tokens").to_numpy().astype(np.int64) if out.num_rows else np.zeros(0, np.int64)
     stats.rows_out = out.num_rows
     stats.trained_turns = out.num_rows
     stats.dropped = dict(sorted(dropped.items()))
-    stats.tokens = int(lengths.sum())
-    stats.loss_tokens = int(loss.sum())
-    stats.truncated_to_max_length = int(sum(truncated))
-    stats.max_tokens = int(lengths.max()) if len(lengths) else 0
+    stats.tokens = int(n_tokens.sum())
+    stats.loss_tokens = int(n_loss.sum())
+    stats.truncated_to_max_length = int(sum(out.column("truncated_to_max_length").to_pylist()))
+    stats.max_tokens = int(n_tokens.max()) if len(n_tokens) else 0
+    stats.max_loss_tokens_per_turn = int(n_loss.max()) if len(n_loss) else 0
     stats.conversations_by_assistant_turns = dict(sorted(by_turns.items(), key=lambda kv: int(kv[0])))
-    stats.ids_source = dict(sorted(sources.items()))
-    return out, export, stats
+    stats.ids_source = dict(sorted(Counter(out.column("ids_source").to_pylist()).items()))
+    stats.ids_not_canonical = sum(1 for c in out.column("ids_canonical").to_pylist() if c is False)
+    return out, conversations, stats
 
 
-def export_record(key: str, turn: TurnSource) -> dict[str, Any]:
-    """SpecForge's conversations JSONL record of one training row: its context as the request carried it,
-    then the trained turn with its reasoning ({"id", "conversations": [{"role", "content",
-    "reasoning_content"?}]})."""
-    convs: list[dict[str, Any]] = [dict(m) for m in turn.context]
-    last: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.reasoning:
-        last["reasoning_content"] = turn.reasoning
-    convs.append(last)
-    return {"id": key, "conversations": convs}
+def conversation_of(turn: TurnSource) -> list[dict[str, Any]]:
+    """A training row's conversation as generated: its context as the request carried it (no reasoning),
+    then the trained turn with its reasoning."""
+    return [*({"role": m["role"], "content": m["content"], "reasoning": None} for m in turn.context),
+            {"role": "assistant", "content": turn.content, "reasoning": turn.reasoning}]

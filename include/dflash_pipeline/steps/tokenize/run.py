@@ -25,7 +25,10 @@ import pyarrow.parquet as pq
 from dflash_pipeline.config import ConfigError, TokenizeConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.steps.tokenize.card import dataset_card
 from dflash_pipeline.steps.tokenize.exact import PartStats, TokenizeSettings, TrainingRowBuilder, tokenize_table
+from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile_globs
+from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
 from dflash_pipeline.steps.validate.tokencount import load_recounter
 
 logger = logging.getLogger(__name__)
@@ -62,12 +65,16 @@ def s3_getter(client: Any) -> Any:
 
 
 def load_tokenizer(client: Any, settings: TokenizeSettings) -> TrainingRowBuilder:
-    """The recount's loader (local or S3 tokenizer + chat template), wrapped for masks. Files fetched
-    from S3 go to a temporary folder removed once loaded (the tokenizer is then in memory)."""
+    """The recount's loader (local or S3 tokenizer + chat template), wrapped for training rows. Files
+    fetched from S3 go to a temporary folder removed once loaded (the tokenizer is then in memory); the
+    tokenizer file's and template's hashes are kept for provenance."""
     with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as tmp:
         rec = load_recounter(settings.tokenizer, s3_getter(client), enable_thinking=settings.enable_thinking,
                              workdir=Path(tmp))
-        return TrainingRowBuilder(rec, settings)
+        builder = TrainingRowBuilder(rec, settings)
+        builder.provenance = tokenizer_provenance(rec.files.tokenizer_json.read_bytes(), rec.files.chat_template,
+                                                  settings.tokenizer)
+        return builder
 
 
 def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
@@ -87,17 +94,31 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
     return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
                             loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
                             enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
-                            keep_unverified=cfg.keep_unverified)
+                            keep_unverified=cfg.keep_unverified, profiles=cfg.profiles,
+                            min_loss_tokens=cfg.min_loss_tokens,
+                            require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens)
 
 
-def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings) -> None:
-    """Write tokenized/settings.json once; a later run must ask for the same settings."""
-    body = json.dumps(settings.to_dict(), indent=1, sort_keys=True).encode()
+def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
+    """Write tokenized/settings.json once (the settings, plus provenance: the tokenizer file's and chat
+    template's sha256, the model and engines from the manifest, SpecForge's template name); a later run
+    must ask for the same settings with the same tokenizer file."""
+    manifest = _get_json(store, layout.manifest_key) or {}
+    doc = {**settings.to_dict(),
+           "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
+           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
+    body = json.dumps(doc, indent=1, sort_keys=True).encode()
     if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
         return
     pinned = _get_json(store, layout.tokenized_settings_key) or {}
+    differ = {}
     if TokenizeSettings.from_dict(pinned) != settings:
         differ = {k: (pinned.get(k), v) for k, v in settings.to_dict().items() if pinned.get(k) != v}
+    sha = "tokenizer_json_sha256"
+    was = ((pinned.get("provenance") or {}).get("tokenizer") or {}).get(sha)
+    if was is not None and was != builder.provenance.get(sha):
+        differ[sha] = (was, builder.provenance.get(sha))
+    if differ:
         raise ConfigError(
             f"{layout.uri}/tokenized/ was made with other settings (pinned, asked): {differ}. Ask for the pinned "
             f"settings, or delete s3://{layout.bucket}/{layout.tokenized_prefix} to tokenize again"
@@ -119,9 +140,9 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         store = Store(client, layout.bucket)
         settings = resolve_settings(store, layout, cfg)
         ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
-        pin_settings(store, layout, settings)
+        pin_settings(store, layout, settings, ct)
         parts = list_parts(store, layout.completions_prefix)
-        done = set(list_parts(store, layout.tokenized_prefix))
+        done = set(list_parts(store, layout.tokenized_stats_prefix))
         todo = [c for c in parts if c not in done]
         logger.info("%s: %d parts, %d already tokenized, %d to do; tokenizer %s (template from %s, generation "
                     "prompt %r, end of turn %r then %r)", layout.uri, len(parts), len(parts) - len(todo), len(todo),
@@ -150,16 +171,19 @@ def _read_part(store: Store, key: str) -> Any:
     return pf.read(columns=cols)
 
 
+_CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/x-ndjson"}
+
+
 def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any) -> tuple[str, PartStats]:
-    """Tokenize one completions part and write its three outputs (Parquet last). Returns
-    ("written" | "lost_race", stats)."""
-    out, export, stats = tokenize_table(table, ct)
-    jsonl = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in export).encode()
-    _put_once(store, layout.export_conversations_key(chunk), jsonl, "application/x-ndjson")
-    _put_once(store, layout.tokenized_stats_key(chunk), json.dumps(stats.to_dict()).encode(), "application/json")
-    buf = io.BytesIO()
-    pq.write_table(out, buf, compression="zstd")
-    won = _put_once(store, layout.tokenized_part_key(chunk), buf.getvalue(), "application/vnd.apache.parquet")
+    """Build one completions part's training rows and write every profile's file, then its stats (the
+    part's commit point). Returns ("written" | "lost_race", stats)."""
+    s = ct.settings
+    out, conversations, stats = tokenize_table(table, ct)
+    files = build_profile_files(out, chunk, s.profiles, thinking=s.enable_thinking, conversations=conversations)
+    stats.profiles = files.to_dict()
+    for rel, data in sorted(files.files.items()):
+        _put_once(store, layout.key(rel), data, _CONTENT_TYPES.get(rel.rsplit(".", 1)[-1], "application/octet-stream"))
+    won = _put_once(store, layout.tokenized_stats_key(chunk), json.dumps(stats.to_dict()).encode(), "application/json")
     return ("written" if won else "lost_race"), stats
 
 
@@ -175,7 +199,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
         ct = load_tokenizer(client, settings)
 
         def fetch(c: int) -> Any:
-            if with_retries(lambda: store.head(layout.tokenized_part_key(c)), what="head part") is not None:
+            if with_retries(lambda: store.head(layout.tokenized_stats_key(c)), what="head part") is not None:
                 return None
             return _read_part(store, layout.part_key(c))
 
@@ -201,7 +225,8 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
 
 
 _SUM_KEYS = ("rows_in", "rows_out", "tokens", "loss_tokens", "truncated_to_max_length", "trained_turns",
-             "rows_with_engine_ids", "rows_without_engine_ids", "unverified", "prompt_template_differs")
+             "rows_with_engine_ids", "rows_without_engine_ids", "unverified", "prompt_template_differs",
+             "ids_not_canonical")
 _COUNT_KEYS = ("dropped", "conversations_by_assistant_turns", "ids_source")
 EXAMPLES_IN_REPORT = 100
 
@@ -211,8 +236,9 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     layout = DatasetLayout.from_uri(dataset["output_uri"])
     store = Store(client, layout.bucket)
     parts = list_parts(store, layout.completions_prefix)
-    done = set(list_parts(store, layout.tokenized_prefix))
+    done = set(list_parts(store, layout.tokenized_stats_prefix))
     total: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
+    profiles: dict[str, dict[str, Any]] = {}
     counts: dict[str, dict[str, int]] = {k: {} for k in _COUNT_KEYS}
     examples: dict[str, list[str]] = {"unverified_examples": [], "prompt_template_differs_examples": []}
     max_tokens = max_turn = 0
@@ -234,14 +260,18 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
             target_list.extend((st.get(name) or [])[:max(0, room)])
         max_tokens = max(max_tokens, int(st.get("max_tokens", 0)))
         max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
+        _add_profiles(profiles, st.get("profiles") or {})
     missing = [c for c in parts if c not in done]
     rows_out = total["rows_out"]
     dropped = counts["dropped"]
+    pinned = _get_json(store, layout.tokenized_settings_key) or {}
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
         "status": "complete" if not missing and not missing_stats else "incomplete",
         "settings": dataset.get("settings"),
+        "provenance": pinned.get("provenance"),
+        "specforge_template": pinned.get("specforge_template"),
         "parts": len(parts),
         "parts_tokenized": len(parts) - len(missing),
         "missing_parts": missing[:100],
@@ -262,11 +292,29 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
             if total["trained_turns"] else 0.0,
             "loss_tokens_per_trained_turn_max": max_turn,
         },
+        "profiles": profiles,
+        "files": {p: {k: layout.key(g) for k, g in profile_globs(p).items()} for p in profiles},
         "tokenized_prefix": layout.tokenized_prefix,
-        "export_prefix": layout.export_conversations_prefix,
+        "card_key": layout.dataset_card_key,
         "report_key": layout.tokenized_report_key,
     }
     return report
+
+
+def _add_profiles(total: dict[str, dict[str, Any]], part: dict[str, Any]) -> None:
+    """Sum one part's profile figures (ProfileOutput.to_dict) into {profile: {rows, conversations...}}."""
+    for name, rows in (part.get("rows") or {}).items():
+        if name == "specforge_conversations":
+            continue
+        total.setdefault(name, {"rows": 0})["rows"] += int(rows)
+    conv = part.get("specforge_conversations")
+    if conv:
+        agg = total.setdefault("specforge", {"rows": 0}).setdefault(
+            "specforge_conversations", {"rows": 0, "skipped": {}, "without_system_message": 0})
+        agg["rows"] += int(conv.get("rows", 0))
+        agg["without_system_message"] += int(conv.get("without_system_message", 0))
+        for k, v in (conv.get("skipped") or {}).items():
+            agg["skipped"][k] = agg["skipped"].get(k, 0) + int(v)
 
 
 def report_markdown(r: dict[str, Any]) -> str:
@@ -310,7 +358,8 @@ def report_markdown(r: dict[str, Any]) -> str:
 
 
 def write_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
-    """Build and write tokenized/report.json + .md; raise TokenizeFailed (after writing) when incomplete."""
+    """Build and write tokenized/report.json + .md and the dataset card (README.md at the dataset root);
+    raise TokenizeFailed (after writing the report) when incomplete."""
     report = build_report(client, dataset)
     layout = DatasetLayout.from_uri(dataset["output_uri"])
     store = Store(client, layout.bucket)
@@ -326,4 +375,9 @@ def write_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
             f"{parts_missing[:10]}), {len(report['parts_without_stats'])} without stats; rerun the failed tokenize "
             "tasks or trigger dflash_tokenize again with this output_uri (done parts are skipped)"
         )
+    pinned = _get_json(store, layout.tokenized_settings_key) or dataset.get("settings") or {}
+    manifest = _get_json(store, layout.manifest_key) or {}
+    card = dataset_card(report, pinned, manifest)
+    with_retries(lambda: store.put(layout.dataset_card_key, card.encode(), content_type="text/markdown"),
+                 what="write the dataset card")
     return report

@@ -1,0 +1,181 @@
+"""A real vLLM OpenAI server of the dev stack: ``vllm serve <checkpoint>`` from ``.venv-vllm`` on loopback.
+
+Why: the simulator must behave like vLLM on the wire, and the pipeline must be proven against the
+engine itself. vLLM's CPU build (``make vllm-venv``) serves a local checkpoint directory (the tiny
+designed one, ``dev/engine/tiny_qwen.py``) on this machine without a GPU.
+
+What the command line carries and why:
+
+* ``VLLM_TARGET_DEVICE=cpu``: platform detection also works without it (the ``vllm`` alias
+  distribution's version ends in ``+cpu``), but naming the device makes it independent of that.
+* ``--reasoning-parser qwen3`` (the thinking comes back in ``message.reasoning``), ``--dtype
+  float32`` (vLLM downcasts a float32 checkpoint to bfloat16 under ``auto``; the tiny model's
+  designed logits are exact in float32), ``--enforce-eager`` (no torch.compile/inductor C++ build
+  at start), ``--max-model-len``, ``--max-num-seqs``, ``--kv-cache-memory-bytes`` (0.32's flag;
+  ``VLLM_CPU_KVCACHE_SPACE`` in GiB is its legacy form), loopback host, a free port,
+  ``--served-model-name``.
+* No network: ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``, and ``VLLM_NO_USAGE_STATS`` /
+  ``DO_NOT_TRACK`` (vLLM otherwise reports usage statistics over the network).
+* vLLM's caches go under the server's work directory, not ``~/.cache/vllm``.
+
+The process (API server, engine core, worker) runs in its own process group with its output in
+``<workdir>/vllm.log``; :meth:`VllmServer.stop` signals the whole group (SIGTERM, then SIGKILL).
+Owner: whoever called :meth:`start` (a session fixture, a measurement script) stops it; nothing
+else does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from dflash_pipeline.dev.stack.procs import LOOPBACK, StackError, free_port, spawn, stop_process_groups, tail
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[4]
+VENV_ENV = "DFLASH_VLLM_VENV"
+"""Environment variable naming another vLLM venv than the repository's ``.venv-vllm``."""
+_DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+
+
+def vllm_venv() -> Path:
+    """The venv vLLM runs from: ``$DFLASH_VLLM_VENV`` or the repository's ``.venv-vllm``."""
+    return Path(os.environ.get(VENV_ENV) or REPO / ".venv-vllm")
+
+
+def vllm_unavailable(venv: Path | None = None) -> str | None:
+    """Why vLLM cannot be started from `venv`, or None when it can (built by ``make vllm-venv``)."""
+    venv = venv or vllm_venv()
+    if not (venv / "bin" / "vllm").exists():
+        return f"{venv}/bin/vllm not found (run `make vllm-venv`)"
+    if not (venv / ".installed").exists():
+        return f"{venv} is incomplete: no .installed stamp (run `make vllm-venv`)"
+    return None
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The server's knobs (defaults sized for the tiny model on a 2-core machine)."""
+
+    served_model_name: str = "tiny-qwen3-thinking"
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    dtype: str = "float32"
+    reasoning_parser: str | None = "qwen3"
+    enable_scale_out: bool = False  # registers /render, /v1/chat/completions/render etc. (403 without)
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_CPU_OMP_THREADS_BIND
+
+
+class VllmServer:
+    """``vllm serve`` as a subprocess; :attr:`base_url` once :meth:`start` returned."""
+
+    def __init__(self, checkpoint: Path, settings: VllmSettings = VllmSettings(), *,
+                 workdir: Path | None = None, venv: Path | None = None) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.settings = settings
+        self.venv = venv or vllm_venv()
+        self.workdir = workdir
+        self.port: int | None = None
+        self.started_in_s: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self.workdir is None else self.workdir / "vllm.log"
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise StackError("vLLM server not started")
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def argv(self, port: int) -> list[str]:
+        s = self.settings
+        argv = [
+            str(self.venv / "bin" / "vllm"), "serve", str(self.checkpoint),
+            "--host", LOOPBACK, "--port", str(port),
+            "--served-model-name", s.served_model_name,
+            "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--kv-cache-memory-bytes", str(s.kv_cache_bytes),
+            "--dtype", s.dtype,
+            "--enforce-eager",
+        ]  # fmt: skip
+        if s.reasoning_parser:
+            argv += ["--reasoning-parser", s.reasoning_parser]
+        if s.enable_scale_out:
+            argv.append("--enable-scale-out")
+        return argv + list(s.extra_args)
+
+    def environment(self, workdir: Path) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+        env.update({
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(workdir / "cache"),
+            "VLLM_CONFIG_ROOT": str(workdir / "config"),
+            "PATH": f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        })
+        env.update(self.settings.env)
+        return env
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        """Start the server and wait until ``/health`` answers 200; StackError (with the log's
+        tail) when it exits or is not healthy within `timeout_s`."""
+        if self._proc is not None:
+            return self
+        why = vllm_unavailable(self.venv)
+        if why:
+            raise StackError(why)
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="dflash-vllm-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        started = time.monotonic()
+        self._proc = spawn(self.argv(self.port), env=self.environment(self.workdir), log_path=self.log_path)
+        deadline = started + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise StackError(f"vllm serve exited with {code}:\n{tail(self.log_path, 60)}")
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"vllm serve not healthy within {timeout_s:.0f} s:\n{tail(self.log_path, 60)}")
+            time.sleep(0.5)
+        self.started_in_s = time.monotonic() - started
+        log.info("vllm serve %s at %s (healthy in %.1f s, log %s)", self.checkpoint, self.base_url,
+                 self.started_in_s, self.log_path)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server and its engine processes (SIGTERM to the group, then SIGKILL)."""
+        if self._proc is None:
+            return
+        stop_process_groups([self._proc], name="vllm serve", first_signal=signal.SIGTERM, grace_s=20)
+        self._proc = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,83 @@
+"""The real-engine tier: a real ``vllm serve`` (CPU build, ``make vllm-venv``) serving the tiny designed
+Qwen3 checkpoint (``dflash_pipeline.dev.engine.tiny_qwen``).
+
+Fixtures:
+
+* ``tiny_qwen_checkpoint`` (session): the checkpoint directory (config, generation_config,
+  model.safetensors, Qwen's BPE with the Qwen3.6-style template), built in a temporary folder.
+* ``vllm_server`` (session): a :class:`VllmEndpoint` (``base_url``, ``model``, ``checkpoint_dir``,
+  ``tokenizer_dir``, ``log_path``, ``started_in_s``) of one server started for the session
+  (``--reasoning-parser qwen3``, max_model_len 2048, 16 sequences; see dev/stack/vllm_server.py) and
+  stopped at its end. Start-up takes about a minute, so every engine test shares it.
+* ``vllm_scale_out_server`` (session): the same with ``--enable-scale-out`` (the ``/render`` family
+  of endpoints answers instead of 403), started only by the tests that ask for it.
+
+Skips when ``.venv-vllm`` is absent, unless ``DFLASH_REQUIRE_VLLM=1`` (set by .ci/run): then it fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.dev.stack.vllm_server import VllmServer, VllmSettings, vllm_unavailable
+
+
+@dataclass(frozen=True)
+class VllmEndpoint:
+    """What a test needs of the session's real vLLM server."""
+
+    base_url: str
+    model: str  # the served model name (send it as "model")
+    checkpoint_dir: Path
+    tokenizer_dir: Path  # tokenizer.json + tokenizer_config.json (the chat template); same as checkpoint_dir
+    log_path: Path
+    max_model_len: int
+    max_num_seqs: int
+    started_in_s: float
+
+
+def _require_vllm() -> None:
+    why = vllm_unavailable()
+    if why is None:
+        return
+    if os.environ.get("DFLASH_REQUIRE_VLLM") == "1":
+        pytest.fail(f"the real vLLM server is required (DFLASH_REQUIRE_VLLM=1) but unavailable: {why}")
+    pytest.skip(f"real vLLM unavailable: {why}")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny designed Qwen3 checkpoint with Qwen's BPE and the Qwen3.6-style template."""
+    from dflash_pipeline.dev.engine.tiny_qwen import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen") / "ckpt", tokenizer_source=qwen_tokenizer)
+
+
+def _serve(checkpoint: Path, settings: VllmSettings, workdir: Path) -> Iterator[VllmEndpoint]:
+    _require_vllm()
+    server = VllmServer(checkpoint, settings, workdir=workdir)
+    server.start()
+    assert server.log_path is not None and server.started_in_s is not None
+    try:
+        yield VllmEndpoint(server.base_url, settings.served_model_name, checkpoint, checkpoint, server.log_path,
+                           settings.max_model_len, settings.max_num_seqs, server.started_in_s)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_qwen_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """One real ``vllm serve`` for the session (see the module docstring)."""
+    yield from _serve(tiny_qwen_checkpoint, VllmSettings(), tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="session")
+def vllm_scale_out_server(tiny_qwen_checkpoint: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """A second real server, with ``--enable-scale-out`` (see the module docstring)."""
+    yield from _serve(tiny_qwen_checkpoint, VllmSettings(enable_scale_out=True), tmp_path_factory.mktemp("vllm-so"))
