@@ -215,6 +215,9 @@ class ConcurrencyController:
                 "mode": "load" if self.probing else "latency",
                 "start": self.start_slots,
                 "slots": self._slots,
+                # what the server was last seen running while requests waited in it (or declared):
+                # the slots confirmed, 0 until then
+                "runs": self._runs,
                 "limit": self._compute(self._clock()),
                 "ceiling": self._ceiling,
                 "cap": self.policy.cap,

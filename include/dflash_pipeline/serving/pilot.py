@@ -44,7 +44,8 @@ class FixedConcurrency:
         pass
 
     def snapshot(self) -> dict[str, Any]:
-        return {"mode": "fixed", "start": self.limit, "slots": None, "limit": self.limit, "ceiling": None,
+        return {"mode": "fixed", "start": self.limit, "slots": None, "runs": None, "limit": self.limit,
+                "ceiling": None,
                 "cap": None, "reason": "concurrency_per_server", "rejections": {}, "changes": []}
 
 
