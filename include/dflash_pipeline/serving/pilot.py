@@ -45,8 +45,7 @@ class FixedConcurrency:
 
     def snapshot(self) -> dict[str, Any]:
         return {"mode": "fixed", "start": self.limit, "slots": None, "runs": None, "limit": self.limit,
-                "ceiling": None,
-                "cap": None, "reason": "concurrency_per_server", "rejections": {}, "changes": []}
+                "ceiling": None, "cap": None, "reason": "concurrency_per_server", "rejections": {}, "changes": []}
 
 
 class ConcurrencyPilot:
