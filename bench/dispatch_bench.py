@@ -27,6 +27,12 @@ Figures are taken at the servers (/sim/stats):
 - % of ideal = ideal_wall / actual_wall.
 - busy % of a server = busy_slot_seconds / (slots * wall) (wall ends at t_c for the killed one);
   "survivors busy %" pools all servers that were not killed over actual_wall.
+- vLLM scenarios (`vllm`, `vllm_halve`): every server speaks vLLM's wire with `--vllm-slots` hidden
+  slots (vLLM does not publish max_num_seqs), at `token_time_s x vllm_slots / slots` per token, so
+  each server's capacity in tokens/s (and the ideal wall) is the default scenarios'. `vllm_halve`:
+  once half the prompts are done, server 0 drops to half its slots and refuses (503) beyond 8
+  waiting (POST /sim/config); its capacity counts in full until then, half after:
+  ideal_wall = d + (U - C * d) / (C - C_0 / 2) when U > C * d.
 """
 
 from __future__ import annotations
@@ -180,14 +186,17 @@ class Moto:
 class Fleet:
     """`python -m dflash_pipeline.dev.sim` in its own process."""
 
-    def __init__(self, args: argparse.Namespace, server_sets: list[str], workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, server_sets: list[str], workdir: Path, vllm: bool = False) -> None:
         urls_file = workdir / f"urls-{time.monotonic_ns()}.txt"
+        slots, token_time = (args.vllm_slots, vllm_token_time(args)) if vllm else (args.slots, args.token_time_s)
         cmd = [
             sys.executable, "-m", "dflash_pipeline.dev.sim", "--count", str(args.servers), "--urls-file", str(urls_file),
-            "--set", f"max_running_requests={args.slots}", "--set", f"token_time_s={args.token_time_s}",
+            "--set", f"max_running_requests={slots}", "--set", f"token_time_s={token_time}",
             "--set", f"length_scale={args.length_scale}", "--set", f"mean_tokens={args.mean_tokens}",
             "--set", "track_ids=false",
         ]
+        if vllm:
+            cmd += ["--set", "engine=vllm"]
         for s in server_sets:
             cmd += ["--server-set", s]
         self.log = open(workdir / "sim.log", "ab")
@@ -209,13 +218,15 @@ class Fleet:
 
 
 class Monitor(threading.Thread):
-    """Polls /sim/stats; in the killed scenario crashes server 0 once half the prompts are done.
+    """Polls /sim/stats; in the killed scenario crashes server 0 once half the prompts are done
+    (in vllm_halve, halves its slots and bounds its queue then).
 
     Before crashing it reads server 0's stats (a crashed sim no longer answers) and keeps them as
     that server's final figures.
     """
 
-    def __init__(self, urls: list[str], prompts: int, kill: bool, expected_wall_s: float, every_s: float = 0.1):
+    def __init__(self, urls: list[str], prompts: int, kill: bool, expected_wall_s: float, every_s: float = 0.1,
+                 halve: bool = False):
         super().__init__(daemon=True, name="monitor")
         import requests
 
@@ -232,6 +243,9 @@ class Monitor(threading.Thread):
         self.crash_t: float | None = None
         self.killed_at_completed: int | None = None
         self._first_seen: float | None = None
+        self.halve = halve
+        self.halved_slots: tuple[int, int] | None = None  # server 0's slots (before, after)
+        self.refused: list[tuple[float, int]] = []  # (t, server 0's 503 answers so far)
 
     def stats(self, i: int) -> dict[str, Any]:
         return self.session.get(self.urls[i] + "/sim/stats", timeout=10).json()
@@ -241,7 +255,7 @@ class Monitor(threading.Thread):
             t = time.time()
             running, waiting, gen, completed = [], [], 0, 0
             for i in range(len(self.urls)):
-                if self.crash_t is not None and i == 0:
+                if self.kill and self.crash_t is not None and i == 0:
                     running.append(0)
                     waiting.append(0)
                     continue
@@ -253,6 +267,8 @@ class Monitor(threading.Thread):
                     continue
                 running.append(int(st["running"]))
                 waiting.append(int(st["waiting"]))
+                if i == 0:
+                    self.refused.append((t, int((st.get("errors_by_code") or {}).get("503", 0))))
                 gen += int(st["generation_requests"])
                 completed += int(st["completed"])
             if self.killed_stats is not None:
@@ -262,11 +278,17 @@ class Monitor(threading.Thread):
             self.waiting.append(waiting)
             if completed and self._first_seen is None:
                 self._first_seen = t
-            if self.kill and self.crash_t is None and self._first_seen is not None and (
+            if (self.kill or self.halve) and self.crash_t is None and self._first_seen is not None and (
                 completed >= self.prompts // 2 or t - self._first_seen >= self.expected_wall_s / 2
             ):
-                self.killed_stats = self.stats(0)
-                self.session.post(self.urls[0] + "/sim/crash", json={}, timeout=10)
+                if self.halve:
+                    before = int(self.stats(0)["capacity_slots"])
+                    self.session.post(self.urls[0] + "/sim/config", timeout=10,
+                                      json={"max_running_requests": before // 2, "max_queued_requests": 8})
+                    self.halved_slots = (before, before // 2)
+                else:
+                    self.killed_stats = self.stats(0)
+                    self.session.post(self.urls[0] + "/sim/crash", json={}, timeout=10)
                 self.crash_t = time.time()
                 self.killed_at_completed = completed
 
@@ -305,10 +327,11 @@ def child_ours(spec: dict[str, Any]) -> dict[str, Any]:
         outcome: Any = "ok"
     except BaseException as exc:  # noqa: BLE001 - reported (a lost server's task raises ServerLost)
         outcome = {"raised": type(exc).__name__, "message": str(exc)[:300]}
+    control = worker.concurrency.snapshot() if hasattr(worker, "concurrency") else None  # absent before issue 25
     return {
         "cpu_s": time.process_time() - cpu0,
         "client_wall_s": time.monotonic() - wall0,
-        "worker": {"worker": settings.worker, "outcome": outcome, **worker.stats.to_dict()},
+        "worker": {"worker": settings.worker, "outcome": outcome, **worker.stats.to_dict(), "concurrency": control},
         "maxrss_mb": _maxrss_mb(),
         "maxrss_before_run_mb": rss_before,
     }
@@ -451,27 +474,39 @@ def capacity(st: dict[str, Any]) -> float:
 
 
 def measure(stats: list[dict[str, Any]], useful_tokens: int, killed: int | None, crash_t: float | None,
-            samples: list[tuple[float, list[int], int]], prompts: int) -> dict[str, Any]:
+            samples: list[tuple[float, list[int], int]], prompts: int,
+            halved: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Figures of one run. `killed`/`crash_t`: server `killed` lost its capacity at crash_t; with
+    `halved` (slots before, after) it went from the first to the second figure then instead."""
     t0 = min(s["first_admit_t"] for s in stats if s["first_admit_t"] is not None)
     t_end = max(s["last_finish_t"] for s in stats if s["last_finish_t"] is not None)
     wall = t_end - t0
+    if halved is not None:  # capacity as it was before the change (its stats show the new slots)
+        stats = [dict(s, capacity_slots=halved[0]) if i == killed else s for i, s in enumerate(stats)]
     caps = [capacity(s) for s in stats]
     c_all = sum(caps)
+    lost = 0.0 if killed is None else caps[killed] * (1.0 if halved is None else 1.0 - halved[1] / halved[0])
     if killed is None:
         ideal = useful_tokens / c_all
     else:
         d = crash_t - t0
-        c_surv = c_all - caps[killed]
-        ideal = useful_tokens / c_all if useful_tokens <= c_all * d else d + (useful_tokens - c_all * d) / c_surv
+        ideal = (useful_tokens / c_all if useful_tokens <= c_all * d
+                 else d + (useful_tokens - c_all * d) / (c_all - lost))
     busy = []
+    slot_seconds = []
     for i, s in enumerate(stats):
-        w = (crash_t - t0) if i == killed else wall
-        busy.append(s["busy_slot_seconds"] / (s["capacity_slots"] * w))
-    surv = [i for i in range(len(stats)) if i != killed]
-    surv_busy = sum(stats[i]["busy_slot_seconds"] for i in surv) / sum(stats[i]["capacity_slots"] * wall for i in surv)
+        if i == killed and halved is not None:
+            d = crash_t - t0
+            slot_seconds.append(halved[0] * d + halved[1] * (wall - d))
+        else:
+            slot_seconds.append(s["capacity_slots"] * ((crash_t - t0) if i == killed else wall))
+        busy.append(s["busy_slot_seconds"] / slot_seconds[-1])
+    surv = [i for i in range(len(stats)) if i != killed or halved is not None]
+    surv_busy = sum(stats[i]["busy_slot_seconds"] for i in surv) / sum(slot_seconds[i] for i in surv)
     # Diagnostics: when was the last prompt handed to a server, and how full were the slots until then?
     t_disp = next((t for t, _, g in samples if g >= prompts), None)
-    steady = [sum(r[i] for i in surv) for t, r, _ in samples if t0 + 0.5 <= t <= (t_disp or t_end)]
+    steady = [sum(r[i] for i in surv) for t, r, _ in samples
+              if t0 + 0.5 <= t <= (t_disp or t_end) and (halved is None or crash_t is None or t < crash_t)]
     slots_surv = sum(stats[i]["capacity_slots"] for i in surv)
     return {
         "t0": t0, "t_end": t_end, "actual_wall_s": wall, "ideal_wall_s": ideal,
@@ -485,6 +520,11 @@ def measure(stats: list[dict[str, Any]], useful_tokens: int, killed: int | None,
         "server_output_tokens": [s["output_tokens"] for s in stats],
         "server_generation_requests": [s["generation_requests"] for s in stats],
     }
+
+
+def vllm_token_time(args: argparse.Namespace) -> float:
+    """Per-token time of the vLLM scenarios' servers: as many tokens/s per server as the default ones."""
+    return args.token_time_s * args.vllm_slots / args.slots
 
 
 def scaled_max_tokens(args: argparse.Namespace) -> int:
@@ -506,17 +546,20 @@ def prompt_lengths(n: int, args: argparse.Namespace) -> list[int]:
 
 
 def oblivious_bound(lengths: list[int], stats: list[dict[str, Any]], killed: int | None,
-                    kill_after_s: float | None) -> float:
+                    kill_after_s: float | None, halved: tuple[int, int] | None = None) -> float:
     """% of ideal that a perfect length-oblivious dispatcher would reach on this scenario.
 
     Greedy list scheduling of the prompts in plan order onto the fleet's slots, with zero client
     latency and (killed scenario) instant loss detection: a request cut by the crash is redone from
-    scratch at the crash time. Only the order of lengths is unknown to it, which is what makes the
-    final drain (one long request started late) unavoidable for any dispatcher that does not know
-    the lengths.
+    scratch at the crash time. With `halved` (slots before, after), server `killed` keeps running
+    what it started but its slots above the second figure take nothing new after kill_after_s.
+    Only the order of lengths is unknown to it, which is what makes the final drain (one long
+    request started late) unavoidable for any dispatcher that does not know the lengths.
     """
     import heapq
 
+    if halved is not None:
+        stats = [dict(st, capacity_slots=halved[0]) if i == killed else st for i, st in enumerate(stats)]
     slots = []
     for i, st in enumerate(stats):
         step = st["token_time_s"] * st["slow_factor"]
@@ -526,12 +569,13 @@ def oblivious_bound(lengths: list[int], stats: list[dict[str, Any]], killed: int
     end = 0.0
     while queue:
         t, sid, srv, step = heapq.heappop(slots)
-        if srv == killed and kill_after_s is not None and t >= kill_after_s:
+        gone = srv == killed and kill_after_s is not None and t >= kill_after_s
+        if gone and (halved is None or sid % 10_000 >= halved[1]):
             continue  # this slot is gone
         tokens, avail = queue.pop()
         start = max(t, avail)
         finish = start + tokens * step
-        if srv == killed and kill_after_s is not None and finish > kill_after_s:
+        if srv == killed and halved is None and kill_after_s is not None and finish > kill_after_s:
             queue.append((tokens, kill_after_s))  # lost with the server; redone elsewhere
             continue
         end = max(end, finish)
@@ -542,7 +586,8 @@ def oblivious_bound(lengths: list[int], stats: list[dict[str, Any]], killed: int
         ideal = total / sum(caps)
     else:
         d, c_all = kill_after_s, sum(caps)
-        ideal = total / c_all if total <= c_all * d else d + (total - c_all * d) / (c_all - caps[killed])
+        lost = caps[killed] * (1.0 if halved is None else 1.0 - halved[1] / halved[0])
+        ideal = total / c_all if total <= c_all * d else d + (total - c_all * d) / (c_all - lost)
     return 100.0 * ideal / end
 
 
@@ -557,8 +602,10 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     server_sets = ["0:slow_factor=2.0"] if scenario == "slow" else []
     all_turns = scenario == "all_turns"
     kill = scenario == "killed"
+    halve = scenario == "vllm_halve"
+    hit = 0 if kill or halve else None  # the server that loses capacity mid-run
     t_phase = time.monotonic()
-    fleet = Fleet(args, server_sets, workdir)
+    fleet = Fleet(args, server_sets, workdir, vllm=scenario.startswith("vllm"))
     phases: dict[str, float] = {"fleet_start_s": time.monotonic() - t_phase}
     name = f"{scenario}-{client_kind}"
     prefix = f"out/{name}"
@@ -568,7 +615,7 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
     try:
         mean_tokens = sum(lengths) / max(1, len(lengths))
         expected_wall = args.prompts * mean_tokens * args.token_time_s / (args.servers * args.slots)
-        monitor = Monitor(fleet.urls, args.prompts, kill, expected_wall)
+        monitor = Monitor(fleet.urls, args.prompts, kill, expected_wall, halve=halve)
         if client_kind == "ours":
             params = {
                 "prompts_uri": f"s3://{BUCKET}/{CONVERSATIONS_KEY if all_turns else PROMPTS_KEY}",
@@ -632,8 +679,13 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
         stats = [monitor.stats(i) if not (kill and i == 0) else monitor.killed_stats for i in range(len(fleet.urls))]
         if kill and monitor.killed_stats is None:
             raise RuntimeError("the killed scenario finished before server 0 was crashed; use more prompts")
-        res["measure"] = m = measure(stats, useful, 0 if kill else None, monitor.crash_t, monitor.samples, args.prompts)
-        m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, 0 if kill else None, m["crash_after_s"])
+        if halve and monitor.halved_slots is None:
+            raise RuntimeError("the vllm_halve scenario finished before server 0 was halved; use more prompts")
+        res["measure"] = m = measure(stats, useful, hit, monitor.crash_t, monitor.samples, args.prompts,
+                                     halved=monitor.halved_slots)
+        m["oblivious_bound_pct"] = oblivious_bound(lengths, stats, hit, m["crash_after_s"], halved=monitor.halved_slots)
+        if client_kind == "ours":
+            res["concurrency"] = concurrency_figures(res["workers"], monitor)
         if all_turns:  # "all dispatched" counts requests against prompts: meaningless with several turns per row
             m["all_dispatched_after_s"] = m["drain_s"] = None
         res["timeline"] = [(round(t - m["t0"], 2), r, w) for (t, r, _), w in zip(monitor.samples, monitor.waiting)]
@@ -642,6 +694,30 @@ def run_one(args: argparse.Namespace, moto: Moto, scenario: str, client_kind: st
         return res
     finally:
         fleet.stop()
+
+
+def concurrency_figures(workers: list[dict[str, Any]], monitor: Monitor) -> dict[str, Any]:
+    """Each worker's final in-flight limit and slots; in vllm_halve, how long server 0's limit took
+    to follow the change (its first slots figure at most the new slots + 2) and its 503 answers:
+    in all, and from 2 s after that follow on (refusals that kept coming)."""
+    out: dict[str, Any] = {"final": [(w.get("concurrency") or {}).get("limit") for w in workers],
+                           "slots": [(w.get("concurrency") or {}).get("slots") for w in workers]}
+    if monitor.halved_slots is None or monitor.crash_t is None:
+        return out
+    after = monitor.halved_slots[1]
+    changes = (workers[0].get("concurrency") or {}).get("changes") or []
+    follow_t = next((c[0] for c in changes if c[0] >= monitor.crash_t - 0.2 and c[2] is not None and c[2] <= after + 2),
+                    None)
+    refused = monitor.refused[-1][1] if monitor.refused else 0
+    settled = None
+    if follow_t is not None:
+        settled = next((n for t, n in monitor.refused if t >= follow_t + 2.0), refused)
+    out.update({
+        "followed_after_s": None if follow_t is None else round(follow_t - monitor.crash_t, 2),
+        "refused_503": refused,
+        "refused_503_after_follow": None if settled is None else refused - settled,
+    })
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -678,6 +754,7 @@ def details(results: list[dict[str, Any]]) -> str:
             raised = [w["worker"] + ":" + w["outcome"]["raised"] for w in r["workers"] if w["outcome"] != "ok"]
             v = r["validation"]
             extra = (f" completions={v['completions']} error_rows={v['errors']} requests_sent={r['requests_sent']} sim_requests={sum(m['server_generation_requests'])}"
+                     + (f" concurrency={r['concurrency']}" if r.get("concurrency") else "")
                      + (f" turns_generated={r['turns_generated']} cached_prompt_tokens={r['cached_prompt_tokens']}"
                         if r.get("turns_generated") is not None else "")
                      + (f" raised={raised}" if raised else ""))
@@ -711,7 +788,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the DAG param for our client; default: derived from the server (slots + max(2, slots/4))")
     p.add_argument("--scenarios", default="uniform,slow,killed",
                    help="comma list of uniform, slow, killed, all_turns (multi-turn rows, regenerate=all_turns; "
-                        "our client only: the baseline cannot replay conversations)")
+                        "our client only: the baseline cannot replay conversations), vllm (every server vLLM-"
+                        "flavoured with --vllm-slots hidden slots), vllm_halve (vllm, and server 0 drops to half "
+                        "its slots and refuses beyond 8 waiting once half the prompts are done)")
+    p.add_argument("--vllm-slots", type=int, default=64,
+                   help="hidden slots of each server in the vllm scenarios (per-token time scaled so each "
+                        "server's tokens/s are the default scenarios')")
     p.add_argument("--clients", default="ours,baseline")
     p.add_argument("--json-out", default=None)
     p.add_argument("--child", choices=("ours", "baseline"), help=argparse.SUPPRESS)
@@ -732,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     for s in scenarios:
-        if s not in ("uniform", "slow", "killed", "all_turns"):
+        if s not in ("uniform", "slow", "killed", "all_turns", "vllm", "vllm_halve"):
             p.error(f"unknown scenario {s!r}")
     workdir = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
     t_start = time.monotonic()
@@ -760,7 +842,9 @@ def main(argv: list[str] | None = None) -> int:
         moto.stop()
     print(f"dispatch bench: {args.prompts} prompts, {args.servers} servers x {args.slots} slots, "
           f"save_every={args.save_every}, length_scale={args.length_scale}, token_time_s={args.token_time_s} "
-          f"(logs: {workdir}; total {time.monotonic() - t_start:.0f}s)")
+          f"(logs: {workdir}; total {time.monotonic() - t_start:.0f}s)"
+          + (f"; vllm scenarios: {args.vllm_slots} hidden slots per server, token_time_s={vllm_token_time(args):g}"
+             if any(sc.startswith("vllm") for sc in scenarios) else ""))
     print(table(results))
     print("details:")
     print(details(results))

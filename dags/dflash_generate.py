@@ -75,7 +75,7 @@ def dflash_generate() -> None:
         from dflash_pipeline import tasks
 
         ctx = get_current_context()
-        return tasks.validate(ctx["params"], ctx["outlet_events"])
+        return tasks.validate(ctx["params"], ctx["outlet_events"], ctx["run_id"])
 
     servers = preflight(plan())
     # ALL_DONE: a server lost for good fails its own task, but the others finished its work, so the

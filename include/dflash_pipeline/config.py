@@ -89,9 +89,21 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": None,
         "minimum": 1,
         "maximum": 4096,
-        "description": "Requests in flight per server. Null = derived from the server's "
-        "max_running_requests plus a little headroom, so slots never wait for the client and "
-        "requests do not queue long enough to eat into request_timeout_s.",
+        "description": "Requests in flight per server, used as given. Null = discovered from each "
+        "server's live load (vLLM /metrics, SGLang /v1/loads, or the latency of a generic server's "
+        "answers), starting from SGLang's max_running_requests (16 for vLLM and generic servers), "
+        "plus a small queue, so slots never wait for the client and requests do not queue long "
+        "enough to eat into request_timeout_s.",
+        "section": SECTION_SERVERS,
+    },
+    "max_concurrency_per_server": {
+        "type": "integer",
+        "default": 1024,
+        "minimum": 1,
+        "maximum": 4096,
+        "description": "Hard cap on the discovered in-flight limit per server (queue included); "
+        "concurrency_per_server, when set, is not capped. 1024 is vLLM's largest default "
+        "max_num_seqs (GPUs of 70 GiB and more).",
         "section": SECTION_SERVERS,
     },
     "request_timeout_s": {
@@ -298,6 +310,7 @@ class RunConfig:
     model: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
     concurrency_per_server: int | None = None
+    max_concurrency_per_server: int = 1024
     save_every: int = 500
     request_timeout_s: float = 300.0
     limit: int | None = None
@@ -364,6 +377,7 @@ class RunConfig:
             model=get("model"),
             sampling=sampling,
             concurrency_per_server=get("concurrency_per_server"),
+            max_concurrency_per_server=int(get("max_concurrency_per_server")),
             save_every=int(get("save_every")),
             request_timeout_s=float(get("request_timeout_s")),
             limit=get("limit"),

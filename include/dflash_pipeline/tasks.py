@@ -202,12 +202,15 @@ def _stop_on_sigterm(request_stop: Callable[[], None]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any]:
-    """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`)."""
+def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | None = None) -> dict[str, Any]:
+    """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`).
+    With `run_id`, first copy each server's in-flight limit over the run into the manifest."""
     from dflash_pipeline.steps.handoff import event_extra
     from dflash_pipeline.steps.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
+    if run_id is not None:
+        _record_concurrency(cfg, run_id)
     thresholds = Thresholds(
         max_error_rate=cfg.max_error_rate, max_truncation_rate=cfg.max_truncation_rate, min_coverage=cfg.min_coverage,
         max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
@@ -225,6 +228,21 @@ def validate(params: dict[str, Any], outlet_events: Any = None) -> dict[str, Any
         outlet_events[completions_asset()].extra = extra
         logger.info("asset event %s: %s", completions_asset().uri, extra)
     return summary
+
+
+def _record_concurrency(cfg: Any, run_id: str) -> None:
+    """Best effort: the manifest's record of each server's discovered concurrency (a failure here
+    never fails validation; the progress objects keep the same figures)."""
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.steps.preflight import record_concurrency
+
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    try:
+        found = record_concurrency(Store(s3_client(cfg.aws_conn_id), layout.bucket), layout, run_id)
+        logger.info("in-flight limits recorded in the manifest: %s",
+                    {k: (v.get("mode"), v.get("final_limit")) for k, v in found.items()})
+    except Exception as exc:  # noqa: BLE001 - a record, not a check
+        logger.warning("could not record the servers' in-flight limits in the manifest: %s", exc)
 
 
 # ------------------------------------------------------------------------------ dflash_tokenize

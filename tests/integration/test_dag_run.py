@@ -160,6 +160,13 @@ def test_outputs_row_by_row(full_run, moto: MotoServer, fleet, root: str, only: 
     assert manifest["model_resolved"] == "Qwen/Qwen3-8B"
     assert {s["name"] for s in manifest["servers"]} == names
     assert all(s["max_running_requests"] == 8 for s in manifest["servers"])
+    # Each run's in-flight limits: the start from preflight (8 declared slots + a quarter, at least
+    # 2), and, copied by validate from the generate tasks' progress objects, how they ended.
+    limits = [r.get("concurrency") or {} for r in manifest["runs"].values()]
+    assert limits and all(set(c) == names and {v["mode"] for v in c.values()} == {"discovered"}
+                          and {v["start"] for v in c.values()} == {10} for c in limits)
+    assert any(v.get("evidence") == "load" and v.get("final_slots") is not None and v["final_slots"] <= 8
+               and v["changes"] for c in limits for v in c.values())
 
     part_keys = sorted(k for k in _parts(moto, f"{root}/completions/"))
     assert len(part_keys) == len(manifest["chunks"]["sizes"])

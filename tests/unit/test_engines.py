@@ -217,3 +217,28 @@ def test_sglang_load_from_v1_loads_and_from_get_load_on_older_servers() -> None:
         assert Old.hits == ["/v1/loads", "/get_load", "/get_load"]  # the answering one is asked first after
     finally:
         httpd.shutdown()
+
+
+def test_load_samples_split_running_from_waiting_with_kv_usage(sims: Any) -> None:
+    """What the concurrency controller reads: running and waiting apart, and KV cache usage."""
+    from dflash_pipeline.serving.engines import LoadSample, sglang_load_sample, vllm_load_sample
+    from dflash_pipeline.serving.sglang import server_load_sample
+
+    text = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0\n'
+            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.1\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n')
+    assert vllm_load_sample(text) == LoadSample(7, 2, 0.75)  # the fullest engine's KV cache limits
+    assert vllm_load_sample(text.replace("kv_cache_usage_perc", "other")).kv_usage == 0.1  # vLLM < 0.9
+    assert vllm_load_sample("# nothing\n") is None
+    assert sglang_load_sample({"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.2},
+                                         {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.9}]}) \
+        == LoadSample(4, 2, 0.9)
+    assert sglang_load_sample([{"num_reqs": 4, "num_waiting_reqs": 1}]) == LoadSample(3, 1, None)
+    session = new_session()
+    for engine in ("vllm", "sglang"):
+        sample = server_load_sample(session, ServerSpec(engine, sims[engine].url), engine)
+        assert sample is not None and (sample.running, sample.waiting) == (0, 0) and sample.kv_usage == 0.0

@@ -195,3 +195,30 @@ def test_a_live_run_ends_at_what_every_live_worker_has_reported() -> None:
     assert live["span_s"] == 18.0 and live["servers"][1]["values"][-1] == pytest.approx(100.0)
     finished = fleet_series([a, b])  # b stopped at 18 s: nothing from it in the last 2 s of the 10-20 s bucket
     assert finished["span_s"] == 20.0 and finished["servers"][1]["values"][-1] == pytest.approx(80.0)
+
+
+def test_the_limit_over_time_is_recorded_and_drawn_per_server() -> None:
+    """The in-flight limit (discovered concurrency) is the 7th field of every history sample; the
+    page draws it per server on the throughput chart's time axis and shows slots in the table."""
+    store = FakeStore()
+    clock = {"t": 0.0}
+    writer = ProgressWriter(store, "k.json", run_id=RUN, try_number=1, every_s=1.0, n_servers=1,
+                            clock=lambda: clock["t"])
+    control = {"mode": "load", "start": 16, "slots": 64, "limit": 80, "ceiling": None, "cap": 1024,
+               "reason": "8 running with 16 waiting", "rejections": {}, "changes": [[1.0, 20, 16, None, "assumed"]]}
+    for t, limit in ((100.0, 20), (101.0, 44), (102.0, 92), (103.0, 80), (104.0, 80)):
+        clock["t"] = t
+        writer.write(_snapshot(server=SERVERS[0], elapsed_s=t - 99.5, output_tokens=int(t), completions=1,
+                               in_flight=limit, in_flight_limit=limit, concurrency_control=control), now=t)
+    doc = store.doc("k.json")
+    assert [h[6] for h in doc["history"]] == [20, 20, 44, 92, 80, 80]  # the task's start sample, then each write
+    p = aggregate({"chunks": {"sizes": [10]}}, {}, [doc], now=105.0, run_started_at=99.0)
+    server = p["servers"][0]
+    assert server["limit_series"][-1] == [104.0, 80] and server["concurrency_control"]["slots"] == 64
+    html = ui.progress_section(p, "running")
+    assert 'id="concurrency"' in html and 'class="limit-line"' in html
+    assert "slots 64" in html and "80 / 80" in html
+    # Objects written before the limit was recorded (six-field samples) draw no limit chart.
+    old = {**doc, "history": [h[:6] for h in doc["history"]], "concurrency_control": None}
+    p_old = aggregate({"chunks": {"sizes": [10]}}, {}, [old], now=105.0, run_started_at=99.0)
+    assert p_old["servers"][0]["limit_series"] == [] and 'id="concurrency"' not in ui.progress_section(p_old, "running")

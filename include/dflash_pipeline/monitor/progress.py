@@ -40,8 +40,9 @@ RATE_WINDOW_S = 300.0
 STALE_INTERVALS = 4.0
 LIVE_STATES = frozenset({"running", "failing", "idle"})
 
-# A history sample: [unix time, completions, errors, output tokens, output tokens/s, in flight].
-H_T, H_COMPLETIONS, H_ERRORS, H_TOKENS, H_RATE, H_IN_FLIGHT = range(6)
+# A history sample: [unix time, completions, errors, output tokens, output tokens/s, in flight,
+# in-flight limit] (the limit is absent from objects written before it was recorded).
+H_T, H_COMPLETIONS, H_ERRORS, H_TOKENS, H_RATE, H_IN_FLIGHT, H_LIMIT = range(7)
 
 
 class _Store(Protocol):
@@ -302,7 +303,8 @@ class ProgressWriter:
             start = round(now - float(snapshot.get("elapsed_s") or 0.0), 1)
             if start < now and (not self._history or start > self._history[-1][H_T]):
                 self._history.append([start, int(self._carried["completions"]), int(self._carried["errors"]),
-                                      int(self._carried["output_tokens"]), 0.0, 0])
+                                      int(self._carried["output_tokens"]), 0.0, 0,
+                                      int(snapshot.get("in_flight_limit") or 0)])
         sample = [
             round(now, 1),
             int(self._carried["completions"]) + int(snapshot.get("completions", 0)),
@@ -310,6 +312,7 @@ class ProgressWriter:
             int(self._carried["output_tokens"]) + int(snapshot.get("output_tokens", 0)),
             float(snapshot.get("output_tokens_per_s") or 0.0),
             int(snapshot.get("in_flight", 0)),
+            int(snapshot.get("in_flight_limit") or 0),
         ]
         if self._history and now - self._history[-1][H_T] < self._min_gap_s:
             self._history[-1] = sample  # too soon after the last kept sample: refresh it instead
@@ -496,6 +499,10 @@ def aggregate(
             "output_tokens_per_s": float(doc.get("output_tokens_per_s") or 0.0) if live else 0.0,
             "in_flight": int(doc.get("in_flight", 0)) if live else 0,
             "concurrency": doc.get("in_flight_limit") or doc.get("concurrency"),
+            "concurrency_control": _control_summary(doc.get("concurrency_control")),
+            # [unix time, in-flight limit] over the run (the page draws it on the throughput chart's axis)
+            "limit_series": [[float(h[H_T]), int(h[H_LIMIT])]
+                             for h in doc.get("history") or [] if len(h) > H_LIMIT and h[H_LIMIT]],
             "idle_s": doc.get("idle_s") if state == "idle" else None,
             "chunks_committed": int(doc.get("chunks_committed", 0)),
             "share": round((c + e) / total, 6) if total else 0.0,
@@ -528,6 +535,13 @@ def aggregate(
         "servers": servers,
         "series": fleet_series(docs, start=run_started_at, live=live_workers),
     }
+
+
+def _control_summary(control: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What the servers table shows of a worker's concurrency controller (not its change log)."""
+    if not control:
+        return None
+    return {k: control.get(k) for k in ("mode", "start", "slots", "limit", "ceiling", "cap", "reason")}
 
 
 def format_duration(seconds: float | None) -> str:

@@ -227,6 +227,67 @@ def throughput_svg(series: Mapping[str, Any], width: int = 760, height: int = 22
             f'<div class="legend">{"".join(legend)}</div>')
 
 
+def concurrency_svg(servers: Sequence[Mapping[str, Any]], series: Mapping[str, Any], width: int = 760,
+                    height: int = 160) -> str:
+    """Each server's in-flight limit over the run (steps), on the throughput chart's time axis: how
+    the limit discovered from the server's live load moved (flat when concurrency_per_server is set)."""
+    t0 = series.get("t0")
+    span = float(series.get("span_s") or 0.0)
+    drawn = [s for s in servers if len(s.get("limit_series") or []) >= 2]
+    if t0 is None or span <= 0 or not drawn:
+        return ""
+    ymax = _nice_max(max(1.0, *(v for s in drawn for _, v in s["limit_series"])))
+    pad_l, pad_r, pad_b, pad_t = 70, 12, 22, 8
+    w, h = width - pad_l - pad_r, height - pad_b - pad_t
+
+    def pt(t: float, v: float) -> str:
+        sec = min(span, max(0.0, t - float(t0)))
+        return f"{pad_l + w * sec / span:.1f},{pad_t + h * (1 - v / ymax):.1f}"
+
+    labels = short_server_labels([str(s["server"]) for s in servers])
+    index = {str(s["server"]): i for i, s in enumerate(servers)}
+    lines, legend = [], []
+    for srv in drawn:
+        i = index[str(srv["server"])]
+        color = _PALETTE[i % len(_PALETTE)]
+        pts, prev = [], None
+        for t, v in srv["limit_series"]:
+            if prev is not None:
+                pts.append(pt(t, prev))  # a step: the limit held until this sample
+            pts.append(pt(t, v))
+            prev = v
+        control = srv.get("concurrency_control") or {}
+        tip = (f'{srv["server"]}: limit {control.get("limit", "?")}, slots {control.get("slots", "?")} '
+               f'({control.get("reason", "")})')
+        lines.append(f'<polyline class="limit-line" data-server="{_e(srv["server"])}" fill="none" stroke="{color}" '
+                     f'stroke-width="1.6" points="{" ".join(pts)}"><title>{_e(tip)}</title></polyline>')
+        legend.append(f'<span title="{_e(tip)}"><i style="background:{color}"></i>{_e(labels[i])}</span>')
+    grid = []
+    for frac in (0.0, 0.5, 1.0):
+        y = pad_t + h * (1 - frac)
+        grid.append(f'<line x1="{pad_l}" x2="{pad_l + w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e7eb"/>'
+                    f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end" fill="#6b7280">'
+                    f"{ymax * frac:,.0f}</text>")
+    axis = (f'<text x="11" y="{pad_t + h / 2}" font-size="11" text-anchor="middle" fill="#374151" '
+            f'transform="rotate(-90 11 {pad_t + h / 2})">in-flight limit</text>')
+    return (f'<svg id="concurrency" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+            f'aria-label="in-flight limit per server over time">{"".join(grid)}{"".join(lines)}{axis}</svg>'
+            f'<div class="legend">{"".join(legend)}</div>')
+
+
+def _limit_cell(s: Mapping[str, Any]) -> str:
+    """`in flight / limit`, and under it the slots the limit was discovered from."""
+    conc = s.get("concurrency")
+    cell = f'{_n(s["in_flight"])} / {_n(conc)}' if conc else _n(s["in_flight"])
+    control = s.get("concurrency_control") or {}
+    if control.get("mode") in ("load", "latency"):
+        cell += (f'<br><span class="muted" title="{_e(control.get("reason"))}">slots {_n(control.get("slots"))} '
+                 f'· {_e(control.get("mode"))}</span>')
+    elif control.get("mode") == "fixed":
+        cell += '<br><span class="muted">fixed</span>'
+    return cell
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, cls: str = "", numeric: Sequence[int] = ()) -> str:
     head = "".join(f'<th class="{"n" if i in numeric else ""}">{_e(h)}</th>' for i, h in enumerate(headers))
     body = "".join("<tr>" + "".join(f'<td class="{"n" if i in numeric else ""}">{c}</td>' for i, c in enumerate(r))
@@ -238,7 +299,6 @@ def servers_table(p: Mapping[str, Any]) -> str:
     rows = []
     for s in p["servers"]:
         errs = ", ".join(f"{_e(k)} {_n(v)}" for k, v in sorted((s.get("errors_by_class") or {}).items())) or ""
-        conc = s.get("concurrency")
         rows.append([
             f'<span class="mono">{_e(s["server"])}</span><br><span class="muted">{_e(s["worker"])}</span>',
             _badge(s["state"]) + (f'<br><span class="muted">waiting {_e(format_duration(s["idle_s"]))}</span>'
@@ -247,7 +307,7 @@ def servers_table(p: Mapping[str, Any]) -> str:
             _n(s["completions"]),
             f'{_n(s["errors"])}<br><span class="muted">{errs}</span>' if errs else _n(s["errors"]),
             _n(round(s["output_tokens_per_s"])),
-            f'{_n(s["in_flight"])} / {_n(conc)}' if conc else _n(s["in_flight"]),
+            _limit_cell(s),
             _n(s["chunks_committed"]),
             _e(",".join(str(t) for t in s.get("tries") or [] if t is not None)),
             f'{_e(format_duration(s["updated_s_ago"]))} ago',
@@ -287,8 +347,10 @@ def progress_section(p: Mapping[str, Any], run_state: str | None) -> str:
             ["error class", "rows"], [[_e(k), _n(v)] for k, v in sorted(p["errors_by_class"].items())],
             cls="errors", numeric=(1,))
     servers = servers_table(p) if p["servers"] else '<p class="muted">No generate task has reported yet.</p>'
+    limits = concurrency_svg(p["servers"], p["series"])
+    limits = f"<h2>In-flight limit per server</h2>{limits}" if limits else ""
     return (f'<section id="progress"><h2>Progress</h2>{run_bar(p)}{legend}<div class="kpis">{kpi_html}</div>'
-            f"<h2>Servers</h2>{servers}{errors}<h2>Throughput</h2>{throughput_svg(p['series'])}</section>")
+            f"<h2>Servers</h2>{servers}{errors}<h2>Throughput</h2>{throughput_svg(p['series'])}{limits}</section>")
 
 
 _REPORT_SCALARS = (

@@ -49,6 +49,14 @@ once; a second timeout is an error row.
 The waiting costs nothing for an answer that comes within `request_timeout_s / 2` (a plain
 blocking read, as without deadlines); after that, one poll() per `check_every_s` on the request's
 socket, and the response is read once bytes have arrived (see ChatClient.post).
+
+One probe per server. The ServerWatch is also the server's one load prober: `sample(max_age_s)`
+probes (one caller at a time) unless a probe that recent is cached, and the deadline rules take a
+cached sample up to `check_every_s / 4` old (at most 1 s), so the concurrency pilot's probes
+(serving/pilot.py, every 0.5 s) serve both and no second poller runs. A cached sample is older
+than the rules' snapshot of our requests, which only errs towards waiting: a request of ours that
+finished in between is counted by the server and not by us. Listeners (the pilot's controller)
+get every completion `record`ed and every 503/429 a request ends with.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from dflash_pipeline.serving.engines import LoadSample
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +89,22 @@ class DeadlinePolicy:
 
 class ServerWatch:
     """Per server and run: decode speeds of completed requests, our outstanding requests, and
-    the server's answer to "how many requests do you hold" (cached, shared by request threads)."""
+    the server's answer to "how many requests do you hold" (cached, shared by request threads
+    and the concurrency pilot)."""
 
-    def __init__(self, policy: DeadlinePolicy, probe: Callable[[], int | None] | None,
+    def __init__(self, policy: DeadlinePolicy, probe: Callable[[], int | LoadSample | None] | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self._probe = probe  # None: the engine has no load endpoint (generic server)
         self._clock = clock
         self._lock = threading.Lock()
-        self._probe_lock = threading.Lock()
+        self._probe_lock = threading.Lock()  # one deadline evaluation at a time
+        self._fetch_lock = threading.Lock()  # one load probe at a time
+        self._sample: tuple[float, bool, LoadSample | None] | None = None  # (t, answered, sample)
+        self._listeners: list[Any] = []
+        # The in-flight limit every attempt waits under (set by the concurrency pilot; None: none).
+        self._gate: Callable[[], int] | None = None
+        self._room = threading.Condition(self._lock)
         self._speeds: deque[float] = deque(maxlen=policy.window)
         self._open: dict[int, float] = {}
         self._ids = itertools.count()
@@ -106,10 +123,67 @@ class ServerWatch:
     def check_every_s(self) -> float:
         return min(5.0, max(0.02, self.policy.request_timeout_s / 8))
 
+    @property
+    def probing(self) -> bool:
+        """The server has a load endpoint."""
+        return self._probe is not None
+
+    def add_listener(self, listener: Any) -> None:
+        """`listener.on_completion(tokens, latency_s)` and `listener.on_rejection(status)` will be
+        called from request threads (they must be quick and never raise)."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def remove_listener(self, listener: Any) -> None:
+        with self._lock:
+            self._listeners = [x for x in self._listeners if x is not listener]
+
+    def set_gate(self, limit: Callable[[], int] | None) -> None:
+        """Make every attempt (a first send, a retry, the next turn) wait in `begin` until fewer
+        than `limit()` of ours are outstanding. Why: when the limit drops (a server refusing
+        requests, a smaller batch) the requests already in flight above it would otherwise keep
+        retrying into the refusals; with the gate they wait for room instead."""
+        with self._room:
+            self._gate = limit
+            self._room.notify_all()
+
+    def outstanding(self) -> int:
+        """Our requests waiting for an answer from this server now."""
+        with self._lock:
+            return len(self._open)
+
+    def sample(self, max_age_s: float) -> tuple[bool, LoadSample | None]:
+        """(answered, load) of the server: a probe at most `max_age_s` old, else a new one (callers
+        arriving during a probe wait for it and share it)."""
+        with self._fetch_lock:
+            cached = self._sample
+            if cached is not None and self._clock() - cached[0] <= max_age_s:
+                return cached[1], cached[2]
+            try:
+                got = self._probe() if self._probe else None
+            except Exception:  # noqa: BLE001 - a failed probe is the signal
+                got = None
+            sample = LoadSample(got, 0) if isinstance(got, int) else got
+            self._sample = (self._clock(), sample is not None, sample)
+            return sample is not None, sample
+
     def record(self, completion_tokens: int | None, latency_s: float) -> None:
         if completion_tokens and completion_tokens >= MIN_TOKENS_FOR_SPEED and latency_s > 0:
             with self._lock:
                 self._speeds.append(completion_tokens / latency_s)
+        for listener in self._listeners:
+            try:
+                listener.on_completion(completion_tokens, latency_s)
+            except Exception:  # noqa: BLE001 - an observer never fails a request
+                logger.debug("listener failed on a completion", exc_info=True)
+
+    def rejected(self, status: int) -> None:
+        """A request of ours was refused with `status` (503/429): tell the listeners."""
+        for listener in self._listeners:
+            try:
+                listener.on_rejection(status)
+            except Exception:  # noqa: BLE001
+                logger.debug("listener failed on a rejection", exc_info=True)
 
     def slow_speed(self) -> float:
         """Tokens/s a request of this server may plausibly be as slow as."""
@@ -123,14 +197,24 @@ class ServerWatch:
         return max(self.policy.request_timeout_s, max_tokens / self.slow_speed())
 
     def begin(self) -> int:
-        with self._lock:
+        """A request of ours goes out now (after waiting under the gate, at most request_timeout_s:
+        a limit source that never makes room must not hang the request)."""
+        with self._room:
+            if self._gate is not None:
+                give_up = time.monotonic() + self.policy.request_timeout_s
+                while self._gate is not None and len(self._open) >= self._gate():
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._room.wait(min(0.25, left))
             ticket = next(self._ids)
             self._open[ticket] = self._clock()
             return ticket
 
     def end(self, ticket: int) -> None:
-        with self._lock:
+        with self._room:
             self._open.pop(ticket, None)
+            self._room.notify()
 
     def _server_state(self) -> tuple[bool, int | None]:
         """(answered, requests held); probed at most every check_every_s by one thread."""
@@ -141,11 +225,9 @@ class ServerWatch:
             with self._lock:
                 settled = now - self.check_every_s
                 ours = frozenset(t for t, begun in self._open.items() if begun <= settled)
-            try:
-                held = self._probe() if self._probe else None
-                result = (held is not None, held)
-            except Exception:  # noqa: BLE001 - a failed probe is the signal
-                result = (False, None)
+            answered, sample = self.sample(max_age_s=min(1.0, self.check_every_s / 4))
+            held = sample.held if sample is not None else None
+            result = (answered, held)
             with self._lock:
                 self._probe_result, self._probe_t = result, self._clock()
                 self._count_shortfall(ours, held)
@@ -233,9 +315,12 @@ class RequestWait:
         self.ticket = self.watch.begin()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self.ticket is not None:
             self.watch.end(self.ticket)
+        status = getattr(exc, "status", None)
+        if status in (429, 503):  # a RequestFailure: the server refused it (overload, rate limit)
+            self.watch.rejected(int(status))  # type: ignore[arg-type]
 
     def __call__(self, elapsed: float) -> bool:
         timeout = self.watch.policy.request_timeout_s
@@ -266,7 +351,7 @@ _WATCHES_LOCK = threading.Lock()
 
 
 def watch_for(key: tuple[str, str, str], policy: DeadlinePolicy,
-              probe: Callable[[], int | None] | None) -> ServerWatch:
+              probe: Callable[[], int | LoadSample | None] | None) -> ServerWatch:
     """The ServerWatch of (run_id, server name, base_url) in this process, created on first use:
     every request thread of one server shares its speeds and probes."""
     with _WATCHES_LOCK:
@@ -286,7 +371,7 @@ def forget(prefix: Any = None) -> None:
 def server_watch(run_id: str, server: Any, engine: str | None, policy: DeadlinePolicy) -> ServerWatch:
     """The shared ServerWatch of one server (a serving.sglang.ServerSpec) in one run, probing the
     engine's load endpoint with its own HTTP session."""
-    from dflash_pipeline.serving.sglang import new_session, server_load
+    from dflash_pipeline.serving.sglang import new_session, server_load_sample
     from dflash_pipeline.serving.engines import adapter
 
     key = (run_id, server.name, server.base_url)
@@ -299,8 +384,8 @@ def server_watch(run_id: str, server: Any, engine: str | None, policy: DeadlineP
         session = new_session()
         session_lock = threading.Lock()
 
-        def probe() -> int | None:
+        def probe() -> LoadSample | None:
             with session_lock:
-                return server_load(session, server, engine, timeout_s=min(5.0, policy.request_timeout_s / 4))
+                return server_load_sample(session, server, engine, timeout_s=min(5.0, policy.request_timeout_s / 4))
 
     return watch_for(key, policy, probe)

@@ -17,8 +17,10 @@ Checked against vLLM's source: `entrypoints/openai/engine/protocol.py` (ErrorRes
 `entrypoints/openai/chat_completion/protocol.py` (ChatMessage `content: str | None`,
 `reasoning: str | None`; `chat_template_kwargs` is a top-level request field),
 `v1/metrics/loggers.py` (`/metrics` gauges: `vllm:num_requests_running`/`_waiting` are load,
-not capacity; the only config info gauge is `vllm:cache_config_info`, CacheConfig labels such as
-`num_gpu_blocks` and `block_size`: the scheduler's `max_num_seqs` is not exposed).
+not capacity; `vllm:kv_cache_usage_perc` (1 = full; `vllm:gpu_cache_usage_perc` before 0.9) is
+the KV cache in use; the only config info gauge is `vllm:cache_config_info`, CacheConfig labels
+such as `num_gpu_blocks` and `block_size`: the scheduler's `max_num_seqs` is not exposed, which
+is why serving/concurrency.py discovers it from the load).
 """
 
 from __future__ import annotations
@@ -148,17 +150,46 @@ def is_error_body(parsed: Any) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class LoadSample:
+    """What a server's load endpoint says at one moment: requests in its running batch, requests
+    waiting in its queue (both summed over DP ranks / engines), and the share of its KV cache in
+    use when it publishes one (vLLM; None otherwise)."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None = None
+
+    @property
+    def held(self) -> int:
+        """Requests the server holds (running + waiting): what the deadline rules compare with ours."""
+        return self.running + self.waiting
+
+
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+_KV_USAGE = re.compile(r"^vllm:(kv_cache_usage_perc|gpu_cache_usage_perc)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def vllm_load(metrics_text: str) -> int | None:
-    """Requests a vLLM server holds (running + waiting, summed over engines) from `/metrics`."""
+def vllm_load_sample(metrics_text: str) -> LoadSample | None:
+    """Running and waiting requests (summed over engines) and KV cache usage (the fullest engine's)
+    from a vLLM `/metrics` text; None when the load gauges are missing."""
     found = _GAUGE.findall(metrics_text)
     if not found:
         return None
-    return int(sum(float(v) for _, v in found))
+    running = sum(float(v) for name, v in found if name.endswith("running"))
+    waiting = sum(float(v) for name, v in found if name.endswith("waiting"))
+    usages = _KV_USAGE.findall(metrics_text)
+    pick = "kv_cache_usage_perc" if any(n == "kv_cache_usage_perc" for n, _ in usages) else "gpu_cache_usage_perc"
+    values = [float(v) for n, v in usages if n == pick]  # one per engine: the fullest one limits
+    return LoadSample(int(running), int(waiting), max(values) if values else None)
+
+
+def vllm_load(metrics_text: str) -> int | None:
+    """Requests a vLLM server holds (running + waiting, summed over engines) from `/metrics`."""
+    sample = vllm_load_sample(metrics_text)
+    return None if sample is None else sample.held
 
 
 def vllm_kv_tokens(metrics_text: str) -> int | None:
@@ -173,23 +204,42 @@ def vllm_kv_tokens(metrics_text: str) -> int | None:
         return None
 
 
-def sglang_load(payload: Any) -> int | None:
-    """Requests an SGLang server holds (running + waiting, summed over DP ranks): from `/v1/loads`
-    (`{"loads": [{"num_running_reqs", "num_waiting_reqs", ...}]}`) or the older `/get_load` (a list
-    per DP rank, or one dict, with `num_reqs` = running + waiting)."""
+def sglang_load_sample(payload: Any) -> LoadSample | None:
+    """Running and waiting requests of an SGLang server (summed over DP ranks) and its KV cache
+    usage (the fullest rank's `token_usage`, when given): from `/v1/loads`
+    (`{"loads": [{"num_running_reqs", "num_waiting_reqs", "token_usage", ...}]}`) or the older
+    `/get_load` (a list per DP rank, or one dict, with `num_reqs` = running + waiting and
+    `num_waiting_reqs` the waiting part)."""
     if isinstance(payload, dict) and isinstance(payload.get("loads"), list):
         items = payload["loads"]
     else:
         items = payload if isinstance(payload, list) else [payload]
-    total = 0
+
+    def num(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    running = waiting = 0
+    usages: list[float] = []
     seen = False
     for item in items:
         if not isinstance(item, dict):
             continue
-        if isinstance(item.get("num_reqs"), (int, float)):
-            total += int(item["num_reqs"])
+        w = int(num(item.get("num_waiting_reqs")) or 0)
+        if num(item.get("num_reqs")) is not None:
+            held = int(item["num_reqs"])
+            w = min(held, w)
+            running, waiting = running + held - w, waiting + w
             seen = True
-        elif isinstance(item.get("num_running_reqs"), (int, float)):
-            total += int(item["num_running_reqs"]) + int(item.get("num_waiting_reqs") or 0)
+        elif num(item.get("num_running_reqs")) is not None:
+            running, waiting = running + int(item["num_running_reqs"]), waiting + w
             seen = True
-    return total if seen else None
+        usage = num(item.get("token_usage"))
+        if usage is not None:
+            usages.append(usage)
+    return LoadSample(running, waiting, max(usages) if usages else None) if seen else None
+
+
+def sglang_load(payload: Any) -> int | None:
+    """Requests an SGLang server holds (running + waiting, summed over DP ranks)."""
+    sample = sglang_load_sample(payload)
+    return None if sample is None else sample.held

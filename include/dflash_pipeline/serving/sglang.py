@@ -29,15 +29,16 @@ from dflash_pipeline.config import Sampling
 from dflash_pipeline.serving.engines import (
     DEFAULT_CAPACITY,
     Engine,
+    LoadSample,
     adapter,
     error_code,
     error_message,
     is_error_body,
     reasoning_of,
-    sglang_load,
+    sglang_load_sample,
     token_ids_of,
     vllm_kv_tokens,
-    vllm_load,
+    vllm_load_sample,
 )
 
 logger = logging.getLogger(__name__)
@@ -503,10 +504,13 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
     if engine is Engine.VLLM:
         metrics = _get_text(session, server, "/metrics", timeout_s)
         kv_tokens = vllm_kv_tokens(metrics) if metrics else None
+    how = ("its /metrics load gauges" if engine is Engine.VLLM
+           else "the latency of its answers (it has no load endpoint)")
     warning = (
         f"{engine.value} server does not report how many requests it runs at once (vLLM's "
-        f"max_num_seqs is not exposed on its HTTP API); assuming {DEFAULT_CAPACITY} slots. Set "
-        "concurrency_per_server to match the server's --max-num-seqs."
+        f"max_num_seqs is not exposed on its HTTP API): starting from {DEFAULT_CAPACITY} slots and "
+        f"discovering its capacity from {how}, up to max_concurrency_per_server. Set "
+        "concurrency_per_server to fix it instead."
     )
     return ServerInfo(
         name=server.name,
@@ -522,10 +526,10 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
     )
 
 
-def server_load(session: requests.Session, server: ServerSpec, engine: Engine | str | None,
-                timeout_s: float = 5.0) -> int | None:
-    """How many requests the server holds now (running + waiting), or None if it cannot tell us
-    (generic server, endpoint missing, server not answering)."""
+def server_load_sample(session: requests.Session, server: ServerSpec, engine: Engine | str | None,
+                       timeout_s: float = 5.0) -> LoadSample | None:
+    """Requests the server runs and queues now (and its KV cache usage if published), or None if
+    it cannot tell us (generic server, endpoint missing, server not answering)."""
     paths = adapter(engine).load_paths
     known = _LOAD_PATH.get(server.base_url)
     for path in sorted(paths, key=lambda p: p != known):  # the one that answered last, first
@@ -533,10 +537,10 @@ def server_load(session: requests.Session, server: ServerSpec, engine: Engine | 
         if text is None:
             continue
         if path == "/metrics":
-            load = vllm_load(text)
+            load = vllm_load_sample(text)
         else:
             try:
-                load = sglang_load(json.loads(text))
+                load = sglang_load_sample(json.loads(text))
             except ValueError:
                 load = None
         if load is not None:
@@ -547,6 +551,13 @@ def server_load(session: requests.Session, server: ServerSpec, engine: Engine | 
 
 _LOAD_PATH: dict[str, str] = {}
 """The load endpoint that answered last, per server: an older SGLang is not asked `/v1/loads` every probe."""
+
+
+def server_load(session: requests.Session, server: ServerSpec, engine: Engine | str | None,
+                timeout_s: float = 5.0) -> int | None:
+    """How many requests the server holds now (running + waiting), or None if it cannot tell us."""
+    sample = server_load_sample(session, server, engine, timeout_s)
+    return None if sample is None else sample.held
 
 
 def derive_concurrency(max_running_requests: int | None) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import dataclasses
+import json
 import time
 
 from dflash_pipeline.config import ConfigError, RunConfig
@@ -199,7 +200,7 @@ def run_preflight(
             info.context_length,
         )
         if info.capacity_warning and not cfg.concurrency_per_server:
-            logger.warning("server %s: %s", spec.name, info.capacity_warning)
+            logger.info("server %s: %s", spec.name, info.capacity_warning)
         infos.append(info)
     if not infos:
         raise NoServerAvailable("no server answered /health: " + "; ".join(f"{s.name}: {m}" for s, m in down))
@@ -265,15 +266,12 @@ def run_preflight(
             elif any(s.name == entry.get("name") for s, _ in down) and "unreachable" not in entry:
                 entry["unreachable"] = next(m for s, m in down if s.name == entry["name"])
 
-    if proofs or down or context_warning:
-        update_manifest(store, layout, record_proofs)
-
     out: list[dict[str, Any]] = []
     by_name = {i.name: i for i in infos}
     for spec in specs:
         info = by_name.get(spec.name)
         mrr = info.max_running_requests if info else None
-        concurrency = cfg.concurrency_per_server or derive_concurrency(mrr)
+        concurrency = cfg.concurrency_per_server or min(cfg.max_concurrency_per_server, derive_concurrency(mrr))
         warning = concurrency_warning(concurrency, mrr, cfg.request_timeout_s)
         if warning:
             logger.warning("server %s: %s", spec.name, warning)
@@ -287,4 +285,61 @@ def run_preflight(
                 "engine": info.engine if info else None,
             }
         )
+    # Each server's in-flight limit as the run starts; validate adds how it moved (record_concurrency).
+    plan_concurrency = {
+        o["server"]: {
+            "mode": "fixed" if cfg.concurrency_per_server else "discovered",
+            "start": o["concurrency"],
+            "declared_slots": o["max_running_requests"],
+            "cap": None if cfg.concurrency_per_server else cfg.max_concurrency_per_server,
+        }
+        for o in out
+    }
+
+    def record_start(manifest: dict[str, Any]) -> None:
+        record_proofs(manifest)
+        manifest.setdefault("runs", {}).setdefault(run_id, {})["concurrency"] = plan_concurrency
+
+    update_manifest(store, layout, record_start)
     return out
+
+
+def record_concurrency(store: Store, layout: DatasetLayout, run_id: str) -> dict[str, Any]:
+    """Copy each server's in-flight limit over the run (from the generate tasks' progress objects)
+    into `manifest.runs[run_id].concurrency`: what the limit was discovered from, the final limit and
+    slots, the refusals seen, the controller's changes
+    (unix time, limit, slots, ceiling, reason) and the limit sampled over time ([unix time, limit]).
+    Called once, after every generate task (validate), so the manifest has one writer then."""
+    from dflash_pipeline.monitor.progress import H_LIMIT, H_T
+
+    prefix = layout.run_key(run_id, "progress/")
+    found: dict[str, dict[str, Any]] = {}
+    for obj in with_retries(lambda: list(store.list(prefix)), what="list progress"):
+        got = with_retries(lambda: store.get(obj.key), what="read progress")
+        if not got:
+            continue
+        try:
+            doc = json.loads(got[0])
+        except ValueError:
+            continue
+        control = doc.get("concurrency_control") or {}
+        series = [[h[H_T], h[H_LIMIT]] for h in doc.get("history") or [] if len(h) > H_LIMIT]
+        found[str(doc.get("server"))] = {
+            "worker": doc.get("worker"),
+            "evidence": control.get("mode"),  # "load" (its load endpoint), "latency" (none), "fixed"
+            "final_limit": control.get("limit", doc.get("in_flight_limit")),
+            "final_slots": control.get("slots"),
+            "rejections": control.get("rejections") or {},
+            "changes": control.get("changes") or [],
+            "limit_series": series,
+        }
+    if not found:
+        return {}
+
+    def mutate(manifest: dict[str, Any]) -> None:
+        entry = manifest.setdefault("runs", {}).setdefault(run_id, {}).setdefault("concurrency", {})
+        for server, figures in found.items():
+            entry.setdefault(server, {}).update(figures)
+
+    update_manifest(store, layout, mutate)
+    return found

@@ -97,11 +97,15 @@ class SimConfig:
     tokenizer_path: str | None = None
     """None -> model_path."""
     max_running_requests: int = 16
+    """Slots. SGLang's server info reports it; the vLLM flavour hides it (vLLM's --max-num-seqs).
+    A runtime change (POST /sim/config) applies to admissions: running requests above a lowered
+    figure finish, new ones wait."""
     max_queued_requests: int | None = None
     """None = unbounded FIFO; when full, generation answers 503 QUEUE_FULL_MSG."""
     context_length: int = 32768
     max_total_num_tokens: int = 200000
-    """Reported only (KV capacity is not simulated)."""
+    """Reported, and the vLLM flavour's `vllm:kv_cache_usage_perc` is the running requests' tokens
+    over it; KV capacity does not limit admission."""
     token_time_s: float = 0.02
     """Wall seconds per decode step of one request (batch size does not slow it down)."""
     prefill_time_per_token_s: float = 0.0

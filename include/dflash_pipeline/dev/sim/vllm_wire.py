@@ -16,8 +16,13 @@ Checked against vLLM's source (vllm-project/vllm, main):
   ``chat_template_kwargs`` is a top-level field; unknown fields (``separate_reasoning``) are
   ignored with a warning.
 * ``vllm/v1/metrics/loggers.py``: ``/metrics`` in Prometheus text; ``vllm:num_requests_running``,
-  ``vllm:num_requests_waiting`` (gauges), ``vllm:cache_config_info`` (info gauge with CacheConfig
-  labels, e.g. ``num_gpu_blocks``, ``block_size``); no gauge carries ``max_num_seqs``.
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (gauges; usage 1 = full),
+  ``vllm:cache_config_info`` (info gauge with CacheConfig labels, e.g. ``num_gpu_blocks``,
+  ``block_size``); no gauge carries ``max_num_seqs``. The slot count (``max_running_requests``,
+  vLLM's ``--max-num-seqs``) is therefore hidden on this wire, as on vLLM's: only the sim-only
+  ``/sim/stats`` and ``/sim/config`` show it, and ``POST /sim/config`` changes it at run time
+  (running requests above a lowered figure finish; new ones wait), which stands for a vLLM server
+  whose effective batch shrinks (KV-cache pressure).
 * Context-length 400s: "This model's maximum context length is N tokens. However, your prompt
   contains at least N+1 input tokens, which exceeds this limit even without any output tokens.
   ..." (the prompt is tokenized with truncation at N+1, so the count is always "at least N+1");

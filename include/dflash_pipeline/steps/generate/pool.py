@@ -9,7 +9,10 @@ from typing import Any
 
 
 class RequestPool:
-    """`n` daemon threads, each with its own keep-alive session, running one request at a time.
+    """`n` daemon threads, each with its own keep-alive session, running one request at a time;
+    `ensure(m)` adds threads when the in-flight limit grows (they are never removed: an idle one
+    costs a blocked thread and, once used, one idle connection). Only the owner (the worker's main
+    thread) calls `ensure`, `submit` and `close`.
 
     Daemon threads (not a ThreadPoolExecutor) so a task that gives up on a dead server is not kept
     alive by requests still waiting for their timeout.
@@ -19,9 +22,21 @@ class RequestPool:
         self._in: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._threads = []
-        for i in range(n):
-            t = threading.Thread(target=self._loop, args=(fn, session_factory), name=f"req-{i}", daemon=True)
+        self._threads: list[threading.Thread] = []
+        self._fn = fn
+        self._session_factory = session_factory
+        self.ensure(n)
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
+    def ensure(self, n: int) -> None:
+        """At least `n` threads."""
+        while len(self._threads) < n and not self._stop.is_set():
+            i = len(self._threads)
+            t = threading.Thread(target=self._loop, args=(self._fn, self._session_factory), name=f"req-{i}",
+                                 daemon=True)
             t.start()
             self._threads.append(t)
 

@@ -39,10 +39,16 @@ class WorkerSettings:
     store_deadline_s: float = 600.0
     try_number: int = 1
     retry_failed_rows: str = "transient"
-    # Derived concurrency (not set by the user): queue about `headroom_s` of work at the server on
-    # top of `concurrency`, so a fast server's freed slots never wait for the client's round trip.
+    # Derived concurrency (not set by the user): the in-flight limit is discovered from the server's
+    # live load (serving/concurrency.py), starting from `declared_slots` (SGLang's
+    # max_running_requests) or the engines' default, never above `concurrency_cap`; it queues about
+    # `headroom_s` of work at the server, so a fast server's freed slots never wait for the client.
+    # False: `concurrency` is the user's concurrency_per_server, used as given.
     adaptive_headroom: bool = False
     headroom_s: float = 0.25
+    declared_slots: int | None = None
+    concurrency_cap: int = 1024
+    probe_every_s: float = 0.5
     # Claim the next chunk while at least this many seconds of work (at the current completion
     # rate) are still ready, or 3x the measured claim latency if that is longer: a claim is
     # several S3 round trips, and a slow S3 must not leave the server's slots empty.
@@ -101,6 +107,8 @@ def settings_for(
         try_number=try_number,
         retry_failed_rows=cfg.retry_failed_rows,
         adaptive_headroom=cfg.concurrency_per_server is None,
+        declared_slots=server_info.get("max_running_requests"),
+        concurrency_cap=int(getattr(cfg, "max_concurrency_per_server", 1024)),
     )
     values.update(overrides)
     return WorkerSettings(**values)

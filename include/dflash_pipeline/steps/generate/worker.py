@@ -23,6 +23,8 @@ Threads and what they own:
   chunk dropped.
 - request threads: one unit each (all its turns); they only read their chunk's `dropped` flag and
   lease state, and the stop flag.
+- pilot (serving/pilot.py): the server's in-flight limit, discovered from its live load; main
+  and the claimer only read it (`_limit()`), and main grows the request pool to it.
 
 Failure handling. A failed request is a row (outcomes.py). A server that fails everything for
 `handoff_after_s` hands its open chunks (finished rows saved as partials) to the fleet and keeps
@@ -59,7 +61,10 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.serving.concurrency import ConcurrencyPolicy
 from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
+from dflash_pipeline.serving.engines import DEFAULT_CAPACITY
+from dflash_pipeline.serving.pilot import concurrency_for
 from dflash_pipeline.steps.generate.chunks import (
     ChunkStore,
     Lease,
@@ -167,12 +172,22 @@ class Worker(Claiming, Committing):
         self._breaker_checked_t = 0.0
         self._last_permanent: str = ""
         self._io = ThreadPoolExecutor(3, thread_name_prefix="s3io")
+        # The in-flight limit: discovered from the server's live load, or the user's figure
+        # (serving/pilot.py; its own thread probes, main and the claimer read `limit`).
+        self.concurrency = concurrency_for(
+            run_id=s.run_id, server=s.server, engine=s.engine,
+            deadline=DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s),
+            fixed=None if s.adaptive_headroom else s.concurrency, declared_slots=s.declared_slots,
+            start_slots=DEFAULT_CAPACITY,
+            policy=ConcurrencyPolicy(cap=max(1, s.concurrency_cap), headroom_s=s.headroom_s,
+                                     probe_every_s=s.probe_every_s))
         warm_up()
 
     @property
     def held_rows_cap(self) -> int:
         s = self.settings
-        return s.held_rows_cap if s.held_rows_cap is not None else 2 * self._full_chunk + 4 * s.concurrency
+        return (s.held_rows_cap if s.held_rows_cap is not None
+                else 2 * self._full_chunk + 4 * max(s.concurrency, self._limit()))
 
     def request_stop(self) -> None:
         """Ask the worker to stop (from a signal handler): it saves, commits and releases, then
@@ -261,11 +276,9 @@ class Worker(Claiming, Committing):
 
     # -- main loop ------------------------------------------------------------------------------
     def _limit(self) -> int:
-        """Requests to keep in flight: `concurrency`, plus adaptive headroom when it was derived."""
-        s = self.settings
-        if not s.adaptive_headroom:
-            return s.concurrency
-        return s.concurrency + min(s.concurrency, int(-(-self._rate() * s.headroom_s // 1)))
+        """Requests to keep in flight: the user's concurrency_per_server, or the figure discovered
+        from the server's live load plus a small queue (serving/concurrency.py)."""
+        return self.concurrency.limit
 
     def _rate(self) -> float:
         """Completions per second over the last 10 s (0 until the first one)."""
@@ -292,6 +305,7 @@ class Worker(Claiming, Committing):
                 continue
             self.pending.extend((chunk, p) for p in todo)
         limit = self._limit()
+        pool.ensure(limit)
         while self.in_flight < limit and self.pending:
             chunk, prompt = self.pending.popleft()
             if chunk.dropped:
@@ -566,6 +580,7 @@ class Worker(Claiming, Committing):
             "try_number": s.try_number,
             "concurrency": s.concurrency,
             "in_flight_limit": self._limit(),
+            "concurrency_control": self.concurrency.snapshot(),
             "state": "done" if force else ("failing" if self._suspect_since is not None else "running"),
             "elapsed_s": round(now - self.stats.started_t, 1),
             "completions": self.stats.completions,
@@ -622,6 +637,7 @@ class Worker(Claiming, Committing):
         claimer = threading.Thread(target=self._claimer, name="claimer", daemon=True)
         claimer.start()
         self.keeper.start()
+        self.concurrency.start()
         probe_session = new_session()
         last_progress = last_checkpoint = time.monotonic()
         try:
@@ -670,6 +686,7 @@ class Worker(Claiming, Committing):
         finally:
             self._claimer_stop.set()
             self._claimer_wake.set()
+            self.concurrency.stop()
             pool.close()
             self._io.shutdown(wait=False)
         # The claimer may be releasing a chunk it claimed from a stale listing just as the dataset
@@ -686,7 +703,9 @@ class Worker(Claiming, Committing):
             raise self._commit_error
         self._progress(force=True)
         result = self.stats.to_dict()
-        result.update({"worker": s.worker, "server": s.server.name})
+        control = self.concurrency.snapshot()
+        result.update({"worker": s.worker, "server": s.server.name,
+                       "concurrency": {k: control[k] for k in ("mode", "start", "slots", "limit")}})
         logger.info("worker %s done: %s", s.worker, result)
         return result
 
