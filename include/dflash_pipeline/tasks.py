@@ -166,7 +166,7 @@ def generate(
                 every_s=settings.progress_every_s, n_servers=len(cfg.servers),
             )
         worker = Worker(store, layout, manifest, settings, on_progress=on_progress)
-        if worker._all_done():
+        if worker.all_done():
             logger.info("every chunk of %s is already committed; nothing to do for %s", layout.uri, spec.name)
             return {"worker": settings.worker, "server": spec.name, "nothing_to_do": True, "completions": 0}
         session = new_session()

@@ -209,17 +209,21 @@ def test_a_server_answering_only_permanent_errors_trips_the_breaker(s3_client: A
 
 @pytest.mark.timeout(180)
 def test_two_runs_on_one_root_repair_a_chunk_once_each(s3_client: Any, bucket: str, sim_fleet: Any) -> None:
-    fleet = sim_fleet(1, **{**SIM, "error_rate": 1.0})
+    # A server that always fails some prompts (transiently: HTTP 500) while it serves the others,
+    # so their rows end as retryable error rows (a server failing every request is "failing"
+    # instead: it hands its work over and is probed, test_protocol_review.py).
+    fleet = sim_fleet(1, **{**SIM, "error_when_contains": "Question 1"})
     run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
     first = run.run_all([run.worker(0, max_attempts=1, backoff_base_s=0.01)])[0]
-    assert isinstance(first, dict) and first["errors"] == 40
+    assert isinstance(first, dict) and first["errors"] > 0
+    assert run.store.head(run.layout.retry_key(0)) is not None, "chunk 0 has error rows to repair"
     # Two later runs on the same root while the server still fails: each repairs each chunk at
     # most once, so they end instead of repairing each other's rows back and forth.
     a = run.worker(0, run_id="run-a", max_attempts=1, backoff_base_s=0.01)
     b = run.worker(0, run_id="run-b", max_attempts=1, backoff_base_s=0.01, worker="w0001")
     results = run.run_all([a, b])
     assert all(isinstance(r, dict) for r in results), results
-    assert sum(r["errors"] for r in results) <= 2 * 40
+    assert sum(r["errors"] for r in results) <= 2 * first["errors"]
     marker = json.loads(run.store.get(run.layout.retry_key(0))[0])
     assert RUN_ID in marker["runs"] and len(marker["runs"]) == len(set(marker["runs"]))
 

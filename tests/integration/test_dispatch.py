@@ -276,7 +276,7 @@ def test_retried_map_index_takes_back_its_own_claims_at_once(s3_client: Any, buc
 
     # Another map index must respect them ...
     other = run.worker(1, lease_s=600.0)
-    first = other._try_claim()
+    first = other.claimer._try_claim()
     assert first is not None and first.index == 3
     assert other.leases.move(first.lease, State.RELEASED, "main") and other.chunks.release(first.lease, 10.0)
 
@@ -319,7 +319,7 @@ def test_simultaneous_claims_spread_without_refusals_and_keep_plan_order(
 
     def first(i: int) -> None:
         barrier.wait()
-        got[i] = workers[i]._try_claim()
+        got[i] = workers[i].claimer._try_claim()
 
     threads = [threading.Thread(target=first, args=(i,)) for i in range(4)]
     for t in threads:
@@ -331,15 +331,15 @@ def test_simultaneous_claims_spread_without_refusals_and_keep_plan_order(
 
     # Later claims keep plan order: the lowest free chunk goes to whoever asks next, whatever its
     # map index (a fixed place per worker would leave it to one worker, late if that one is slow).
-    workers[0]._last_scan = None  # a fresh listing (a reused one may not show chunk 4 yet)
-    assert workers[3]._try_claim().index == 4
-    assert workers[0]._try_claim().index == 5
+    workers[0].claimer._last_scan = None  # a fresh listing (a reused one may not show chunk 4 yet)
+    assert workers[3].claimer._try_claim().index == 4
+    assert workers[0].claimer._try_claim().index == 5
 
     # Two workers racing for the same next chunk: one wins, the other is refused once and moves
     # to its own place among the next chunks rather than walking into the winner's next refusal.
     _CountingStore.refused = 0
-    listing = workers[1]._scan()
-    assert workers[2]._claim_from(*listing).index == 6
-    second = workers[1]._claim_from(*listing)
+    listing = workers[1].scanner.scan()
+    assert workers[2].claimer._claim_from(*listing).index == 6
+    second = workers[1].claimer._claim_from(*listing)
     assert second is not None and second.index == 8  # chunk 6 refused, then its place (1) among 7, 8, 9, 10
     assert _CountingStore.refused == 1

@@ -237,9 +237,9 @@ def test_worker_snapshot_separates_done_from_submitted() -> None:
     got: list[dict[str, Any]] = []
     worker = Worker(None, DatasetLayout("b", "ds"), {"chunks": {"sizes": [4, 4, 2]}, "plan_id": "p"},  # type: ignore[arg-type]
                     settings, on_progress=got.append)
-    worker._done_cache = {0}
+    worker.scanner.mark_done(0)
     chunk = OpenChunk(1, None, [{"id": str(i)} for i in range(4)], results={"0": {}, "1": {}})
-    worker.open[1] = chunk
+    worker.ledger.offer(chunk)
     worker.in_flight = 2
     worker.stats.completions, worker.stats.output_tokens = 2, 300
     worker._tok_window.extend([(worker.stats.started_t, 100), (worker.stats.started_t, 200)])

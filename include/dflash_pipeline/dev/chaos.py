@@ -248,7 +248,7 @@ def _worker_main(spec: dict[str, Any]) -> int:
     worker = Worker(store, layout, manifest, settings)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
     # As tasks.generate: nothing to do ends the task; else wait for the server's /health first.
-    if worker._all_done():
+    if worker.all_done():
         return EXIT_DONE
     session = new_session()
     waited = time.monotonic()

@@ -122,6 +122,9 @@ class SimConfig:
     """Seeds the text/length model (and the fault RNG unless fault_seed is set)."""
     error_rate: float = 0.0
     """Share of generation requests answered 500 with SGLang's error JSON."""
+    error_when_contains: str | None = None
+    """Answer 500 (as error_rate) to every generation request whose last message contains this text:
+    a prompt the server always fails on while it serves the others (a poison prompt)."""
     unavailable_rate: float = 0.0
     """Share answered 503."""
     hang_rate: float = 0.0
@@ -809,6 +812,9 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             cached = 0
 
         fault = None if proof else sim._draw_fault()
+        poison = config.error_when_contains
+        if not proof and poison and messages and poison in str(messages[-1].get("content") or ""):
+            fault = "error"
         if fault == "error":
             self._error(500, INJECTED_ERROR_MSG, "InternalServerError")
             return

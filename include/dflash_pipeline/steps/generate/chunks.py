@@ -55,7 +55,16 @@ Invariants (what makes a row exactly once and a run never hang):
    in time costs those rows, never the deadline; the claims then expire with their lease. A claim
    the claimer completes after the stop began it releases itself.
 6. Partials only carry results for good (finished completions, permanent errors); rows of any other
-   kind found in one (older code) are redone.
+   kind found in one (older code) are redone. Writes of one chunk's partial are serialized
+   (handback.PartialWriter): a checkpoint still in flight can never land after, and overwrite,
+   the fuller partial the stop path saves.
+7. Every renewal writes new bytes (a renewal counter in the claim), so its ETag changes: a peer's
+   take-over or the sweep's conditional delete based on a listing older than our last renewal
+   is refused (with identical bytes S3 would keep the ETag and let it through).
+8. A chunk whose lease is gone (taken over or released) is lost for its worker, whatever flag
+   anyone set: request threads and main read `OpenChunk.dropped` from the lease's state, so a
+   lease refused at any moment (even between the claimer's OPEN and the chunk reaching main)
+   ends its requests instead of requeueing them forever.
 """
 
 from __future__ import annotations
@@ -130,18 +139,27 @@ class Lease:
     state: State = S.CLAIMED
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     last_renewed_t: float = field(default_factory=time.monotonic)
+    #: Renewals that went through: written into the claim, so every renewal changes its bytes and
+    #: ETag and a peer's If-Match based on an older listing is refused (invariant 7).
+    renewals: int = 0
 
     @property
     def gone(self) -> bool:
         return self.state in FINAL
 
 
+#: Called after each transition that happened, outside every lock: (lease, from, to, role). The
+#: chaos harness (dev/transitions.py) injects delays and lost leases there; production has none.
+TransitionHook = Callable[[Lease, State, State, str], None]
+
+
 class Leases:
     """The leases this worker holds, by chunk. Thread-safe; a lease leaves it when it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, hook: TransitionHook | None = None) -> None:
         self._lock = threading.Lock()
         self._by_chunk: dict[int, Lease] = {}
+        self._hook = hook
         #: Role that owns every lease once the worker is stopping (see the module docstring).
         self.give_up_owner: str | None = None
 
@@ -170,6 +188,8 @@ class Leases:
             with self._lock:
                 if self._by_chunk.get(lease.chunk) is lease:
                     del self._by_chunk[lease.chunk]
+        if self._hook is not None:
+            self._hook(lease, frm, to, role)
         return True
 
     def held(self, chunk: int) -> bool:
@@ -193,7 +213,7 @@ class CommitOutcome(enum.Enum):
 class ChunkStore:
     """The protocol's S3 operations, each mapping S3's answers to one outcome (module docstring)."""
 
-    def __init__(self, store: Store, claim_key: Callable[[int], str], claim_body: Callable[[str], bytes],
+    def __init__(self, store: Store, claim_key: Callable[[int], str], claim_body: Callable[..., bytes],
                  store_deadline_s: float = 600.0) -> None:
         self.store = store
         self.claim_key = claim_key
@@ -252,8 +272,9 @@ class ChunkStore:
         Any 412 is checked with a HEAD (bounded by `deadline_s`): an earlier renewal whose answer
         was lost changed the ETag without telling us, and that claim is still ours."""
         key = self.claim_key(lease.chunk)
+        renewal = lease.renewals + 1
         try:
-            etag = self.store.put(key, self.claim_body(lease.nonce), if_match=lease.etag,
+            etag = self.store.put(key, self.claim_body(lease.nonce, renewal), if_match=lease.etag,
                                   content_type="application/json", metadata={"nonce": lease.nonce})
         except KeyGone:
             return False
@@ -265,6 +286,7 @@ class ChunkStore:
             etag = mine.etag
         with lease.lock:
             lease.etag = etag
+            lease.renewals = renewal
             lease.last_renewed_t = time.monotonic()
         return True
 
@@ -401,12 +423,13 @@ class LeaseKeeper:
                 return
 
 
-def claim_body(owner: str, worker: str, server: str, run_id: str, try_number: int) -> Callable[[str], bytes]:
-    """The claim document for one worker; constant for a lease (the nonce is fixed per claim)."""
+def claim_body(owner: str, worker: str, server: str, run_id: str, try_number: int) -> Callable[..., bytes]:
+    """The claim document for one worker: `body(nonce, renewal=0)`. The nonce is fixed per claim;
+    the renewal count makes each renewal's bytes, hence its ETag, new (invariant 7)."""
 
-    def body(nonce: str) -> bytes:
+    def body(nonce: str, renewal: int = 0) -> bytes:
         return json.dumps({"owner": owner, "worker": worker, "server": server, "run_id": run_id,
-                           "try": try_number, "nonce": nonce}).encode()
+                           "try": try_number, "nonce": nonce, "renewal": renewal}).encode()
 
     return body
 

@@ -1,10 +1,12 @@
-"""The request threads: `n` daemon threads, each with its own keep-alive client, one request each."""
+"""Daemon thread pools: the request threads (`n` threads, each with its own keep-alive client, one
+request each) and a small executor for S3 side calls."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -69,3 +71,49 @@ def rotate(items: list[int], width: int, k: int) -> list[int]:
         return items
     k %= n
     return items[k:n] + items[:k] + items[n:]
+
+
+class DaemonPool:
+    """A small executor of daemon threads for S3 side calls (listings, reads, checkpoints).
+
+    Not concurrent.futures' ThreadPoolExecutor: its threads are joined at interpreter exit, so a
+    task ending (a stop, a kill by its supervisor) would wait for, or be outlived by, a PUT still
+    in flight. Work not started when `close()` is called never runs."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._n = n
+        for i in range(n):
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        if self._closed.is_set():
+            fut.set_running_or_notify_cancel()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+            return fut
+        self._q.put((fut, fn, args))
+        return fut
+
+    def close(self) -> None:
+        self._closed.set()
+        for _ in range(self._n):
+            self._q.put(None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.serving.sglang import RequestFailure
-from dflash_pipeline.steps.generate.chunks import Lease
+from dflash_pipeline.steps.generate.chunks import Lease, State
 
 MAX_REQUEUES = 3
 
@@ -29,14 +29,23 @@ class TaskStopped(Exception):
     """Stopped from outside (SIGTERM): finished rows were saved and claims released."""
 
 
+#: Lease states in which the chunk is no longer ours to work on (chunks.py invariant 8).
+LOST = frozenset({State.RELEASED, State.TAKEN_OVER})
+
+
 @dataclass
 class OpenChunk:
+    """One claimed chunk's work. Its lifecycle is its lease's (chunks.TRANSITIONS, each move owned
+    by one thread); the work itself has one owner at a time: the claimer until it hands the chunk
+    to the Ledger, main while it is open (`results`, `requeues`, `checkpointed`), the committer once
+    queued, main again at the stop. Request threads only read `dropped` and the lease's state."""
+
     index: int
     lease: Lease | None
     prompts: list[dict[str, Any]]
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Set (by main or the renewer) once the chunk is no longer ours to work on; request threads read it.
-    dropped: bool = False
+    # Set by main when it lets the chunk go without a lease move (e.g. a chunk with no lease).
+    _dropped: bool = False
     # A repair: the committed part's rows and ETag; `prompts` are only the rows to redo.
     base_rows: list[dict[str, Any]] | None = None
     part_etag: str | None = None
@@ -45,6 +54,19 @@ class OpenChunk:
     todo: list[dict[str, Any]] | None = None
     # Rows in the last checkpoint (a partial main saved while the chunk was open); main only.
     checkpointed: int = 0
+    # Times each unit was put back because the server (not the prompt) failed; main only. Lives
+    # and dies with the chunk, so it never grows with the dataset.
+    requeues: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> bool:
+        """No longer ours to work on: read from the lease, so no thread has to flag it in time."""
+        lease = self.lease
+        return self._dropped or (lease is not None and lease.state in LOST)
+
+    @dropped.setter
+    def dropped(self, value: bool) -> None:
+        self._dropped = value
 
     def prompts_to_send(self) -> list[dict[str, Any]]:
         return self.prompts if self.todo is None else self.todo

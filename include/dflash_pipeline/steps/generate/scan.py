@@ -1,0 +1,181 @@
+"""What S3 says is done: the committed parts, the claims, the retry markers, and the end-of-run
+check with its sweep. One `Scanner` per worker owns the view (`_done`, `_lowest_unfinished`, the
+marker and repair caches) under its own lock; the claimer scans through it, the committer records
+its own commits, main asks `all_done()` and the progress page reads `done()`.
+
+The view only grows from what S3 showed (a listing, our commit, a HEAD): never a local guess
+(chunks.py invariant 2). A lost Scanner (kill) loses nothing: it is rebuilt from S3.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.store import (
+    ObjectInfo,
+    PreconditionFailed,
+    Store,
+    StoreUnavailable,
+    with_retries,
+)
+from dflash_pipeline.steps.generate.chunks import Leases, claim_doc
+from dflash_pipeline.steps.generate.pool import DaemonPool
+from dflash_pipeline.steps.generate.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+Scan = tuple[set[int], dict[int, ObjectInfo], set[int]]
+
+
+class Scanner:
+    """The worker's view of what is committed and what asks for a repair (module docstring)."""
+
+    def __init__(self, store: Store, layout: DatasetLayout, settings: WorkerSettings, n_chunks: int,
+                 leases: Leases, io: DaemonPool) -> None:
+        self.store = store
+        self.layout = layout
+        self.settings = settings
+        self.n_chunks = n_chunks
+        self.leases = leases
+        self._io = io
+        self._lock = threading.Lock()
+        self._done: set[int] = set()
+        self._lowest_unfinished = 0
+        self._markers: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._repair_cache: tuple[float, set[int]] | None = None
+
+    # -- the view ---------------------------------------------------------------------------------
+    def done(self) -> set[int]:
+        with self._lock:
+            return self._done & set(range(self.n_chunks))
+
+    def mark_done(self, c: int) -> None:
+        with self._lock:
+            self._done.add(c)
+
+    def forget_repairs(self) -> None:
+        """A marker changed (we wrote, settled or deleted one): list them again next time."""
+        with self._lock:
+            self._repair_cache = None
+
+    def scan(self, fresh_markers: bool = False) -> Scan:
+        """(committed chunks, claims of chunks, chunks to repair). The two listings run at once."""
+        claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
+        prefix = self.layout.completions_prefix
+        with self._lock:
+            done = set(self._done)
+            low = self._lowest_unfinished
+        after = self.layout.part_key(low - 1) if low > 0 else None
+        for obj in self.store.list(prefix, start_after=after):
+            c = chunk_of_key(obj.key, prefix)
+            if c is not None:
+                done.add(c)
+        while low < self.n_chunks and low in done:
+            low += 1
+        with self._lock:
+            self._done |= done
+            self._lowest_unfinished = max(self._lowest_unfinished, low)
+            done = set(self._done)
+        claims: dict[int, ObjectInfo] = {}
+        for obj in claims_f.result():
+            c = chunk_of_key(obj.key, self.layout.claims_prefix)
+            if c is not None:
+                claims[c] = obj
+        return done, claims, self._repairs(done, fresh_markers)
+
+    # -- retry markers ----------------------------------------------------------------------------
+    def _repairs(self, done: set[int], fresh: bool) -> set[int]:
+        """Committed chunks whose retry marker asks this run for a repair."""
+        if self.settings.retry_failed_rows == "none":
+            return set()
+        now = time.monotonic()
+        with self._lock:
+            cached = self._repair_cache
+        if fresh or cached is None or now - cached[0] >= self.settings.marker_scan_every_s:
+            wanted: set[int] = set()
+            prefix = self.layout.retry_prefix
+            for obj in self.store.list(prefix):
+                c = chunk_of_key(obj.key, prefix)
+                if c is not None and self.marker_wants_repair(obj):
+                    wanted.add(c)
+            cached = (now, wanted)
+            with self._lock:
+                self._repair_cache = cached
+        return {c for c in cached[1] if c in done}
+
+    def marker_body(self, obj: ObjectInfo) -> dict[str, Any] | None:
+        with self._lock:
+            cached = self._markers.get(obj.key)
+        if cached is None or cached[0] != obj.etag:
+            got = self.store.get(obj.key)
+            if got is None:
+                return None
+            cached = (got[1], claim_doc(got[0]))
+            with self._lock:
+                self._markers[obj.key] = cached
+        return cached[1]
+
+    @staticmethod
+    def marker_runs(body: dict[str, Any]) -> list[str]:
+        runs = body.get("runs")
+        if isinstance(runs, list):
+            return [str(r) for r in runs]
+        return [str(body["run_id"])] if body.get("run_id") else []
+
+    def marker_wants_repair(self, obj: ObjectInfo) -> bool:
+        """A marker no run of ours has produced or repaired yet: each run touches a chunk's error
+        rows at most once, so two runs on one root never repair each other's rows back and forth."""
+        body = self.marker_body(obj)
+        if body is None or self.settings.run_id in self.marker_runs(body):
+            return False
+        if self.settings.retry_failed_rows == "all":
+            return int(body.get("retryable", 0)) + int(body.get("permanent", 0)) > 0
+        return int(body.get("retryable", 0)) > 0
+
+    # -- the end of a run -------------------------------------------------------------------------
+    def all_done(self, should_stop: Any = None) -> bool:
+        """Every chunk committed and nothing left to repair (by this worker's policy)."""
+        done, claims, repair = with_retries(
+            lambda: self.scan(fresh_markers=True), what="scan", deadline_s=self.settings.store_deadline_s,
+            should_stop=should_stop,
+        )
+        finished = not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
+        if finished:
+            self._sweep_stale_claims(done, claims)
+        return finished
+
+    def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo]) -> None:
+        """Delete claims of committed chunks nobody needs: expired ones (a task SIGKILLed after
+        claiming a chunk a peer had just committed), and at once those an earlier try of this very
+        task left (SIGKILLed between its commit and its release; the claim document names the
+        owner, so "is it ours?" is read from S3). If-Match the listed ETag, so a claim renewed or
+        retaken meanwhile is left alone (every renewal changes the ETag: chunks.py invariant 7)."""
+        now = self.store.server_time()
+        for c, info in claims.items():
+            if c not in done or self.leases.held(c):
+                continue
+            expired = (now - info.last_modified).total_seconds() > self.settings.lease_s
+            try:
+                if not expired:
+                    if self.settings.try_number <= 1:
+                        continue
+                    got = self.store.get(info.key)
+                    if got is None or got[1] != info.etag or claim_doc(got[0]).get("owner") != self.settings.owner:
+                        continue
+                self.store.delete(info.key, if_match=info.etag)
+                logger.info("deleted the %s claim of committed chunk %d", "expired" if expired else "earlier try's", c)
+            except (PreconditionFailed, StoreUnavailable):
+                pass
+        # A partial outlives its chunk's commit when the stop path saved it while a commit was in
+        # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
+        try:
+            for obj in self.store.list(self.layout.partials_prefix):
+                c = chunk_of_key(obj.key, self.layout.partials_prefix)
+                if c is not None and c in done and not self.leases.held(c):
+                    self.store.delete(obj.key, if_match=obj.etag)
+        except (PreconditionFailed, StoreUnavailable):
+            pass
