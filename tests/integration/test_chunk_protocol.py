@@ -212,7 +212,7 @@ def test_two_runs_on_one_root_repair_a_chunk_once_each(s3_client: Any, bucket: s
     # A server that always fails some prompts (transiently: HTTP 500) while it serves the others,
     # so their rows end as retryable error rows (a server failing every request is "failing"
     # instead: it hands its work over and is probed, test_protocol_review.py).
-    fleet = sim_fleet(1, **{**SIM, "error_when_contains": "Question 1"})
+    fleet = sim_fleet(1, **{**SIM, "poison_text": "Question 1"})
     run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
     first = run.run_all([run.worker(0, max_attempts=1, backoff_base_s=0.01)])[0]
     assert isinstance(first, dict) and first["errors"] > 0

@@ -116,9 +116,12 @@ def test_slow_server_32k_max_tokens_no_false_timeouts(s3_client, bucket) -> None
 
 
 def test_a_timeout_is_retried_once_then_an_error_row(s3_client, bucket) -> None:
-    """Every request hangs on an otherwise idle server: each is cut after request_timeout_s, sent
-    once more, then stored as a Timeout error row with attempts=2 (not max_attempts=5)."""
-    with SimFleet([SimConfig(engine="vllm", hang_rate=1.0, hang_s=60.0, **FAST)]).start() as fleet:
+    """Two prompts hang on a server that answers the others: each is cut after request_timeout_s,
+    sent once more, then stored as a Timeout error row with attempts=2 (not max_attempts=5). (A
+    server on which *every* request hangs is failing instead: it hands its chunks over, is probed
+    and ends ServerLost, tests/integration/test_protocol_review.py.)"""
+    poison = {"poison_text": "below 103?", "poison_fault": "hang"}  # q0001 (and no other: 100 + 3i)
+    with SimFleet([SimConfig(engine="vllm", hang_s=60.0, **poison, **FAST)]).start() as fleet:
         s3_client.put_object(Bucket=bucket, Key="hang/p.jsonl", Body=_prompts(4))
         cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/hang/p.jsonl", "output_uri": f"s3://{bucket}/hang/ds",
                                      "servers": fleet.urls, "save_every": 4, "request_timeout_s": 1,
@@ -127,12 +130,15 @@ def test_a_timeout_is_retried_once_then_an_error_row(s3_client, bucket) -> None:
         stats = fleet.stats()
     rows = _rows(s3_client, cfg)
     assert len(rows) == 4, outcomes
-    assert {r["error_class"] for r in rows} == {"Timeout"} and {r["attempts"] for r in rows} == {2}
-    # Each _do_request sends a timed-out prompt twice, not max_attempts=5 times; the worker may
-    # put a prompt back (MAX_REQUEUES) while its server completes nothing at all.
+    errors = [r for r in rows if r.get("error_class")]
+    assert [r["id"] for r in errors] == ["q0001"], errors
+    assert errors[0]["error_class"] == "Timeout" and errors[0]["attempts"] == 2
+    # _do_request sends a timed-out prompt twice, not max_attempts=5 times; the worker may put it
+    # back (MAX_REQUEUES) while nothing else succeeded since, each time for two more sends after
+    # one 1-token probe has shown the server generating (steps/generate/failing.py).
     from dflash_pipeline.steps.generate.state import MAX_REQUEUES
 
-    assert 8 <= stats[0]["generation_requests"] <= 2 * (1 + MAX_REQUEUES) * 4
+    assert 3 + 2 <= stats[0]["generation_requests"] <= 3 + 2 * (1 + MAX_REQUEUES) + MAX_REQUEUES
     assert stats[0]["generation_requests"] % 2 == 0
 
 

@@ -122,9 +122,11 @@ class SimConfig:
     """Seeds the text/length model (and the fault RNG unless fault_seed is set)."""
     error_rate: float = 0.0
     """Share of generation requests answered 500 with SGLang's error JSON."""
-    error_when_contains: str | None = None
-    """Answer 500 (as error_rate) to every generation request whose last message contains this text:
-    a prompt the server always fails on while it serves the others (a poison prompt)."""
+    poison_text: str | None = None
+    """Every generation request whose last message contains this text gets `poison_fault`: a prompt
+    the server always fails on while it serves the others (a poison prompt)."""
+    poison_fault: str = "error"
+    """What a poison prompt gets: "error" (500, as error_rate), "hang" (as hang_rate), "unavailable"."""
     unavailable_rate: float = 0.0
     """Share answered 503."""
     hang_rate: float = 0.0
@@ -812,9 +814,9 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             cached = 0
 
         fault = None if proof else sim._draw_fault()
-        poison = config.error_when_contains
+        poison = config.poison_text
         if not proof and poison and messages and poison in str(messages[-1].get("content") or ""):
-            fault = "error"
+            fault = config.poison_fault
         if fault == "error":
             self._error(500, INJECTED_ERROR_MSG, "InternalServerError")
             return

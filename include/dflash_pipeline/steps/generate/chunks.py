@@ -42,7 +42,9 @@ Invariants (what makes a row exactly once and a run never hang):
 2. A chunk counts as done only when its part was seen in S3 (a listing, our commit, or a HEAD after
    a refusal), never from a local guess: a commit refused with no part there raises.
 3. Complete rows are not dropped when a lease is lost: QUEUED/COMMITTING chunks are committed anyway
-   (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted.
+   (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted. Nor
+   when a commit fails: the chunk stays in the Ledger (marked failed) and the stop path saves all
+   its rows as the chunk's partial, complete chunks before open ones.
 4. A lease we hold is renewed every lease/4 in every non-final state, each renewal on its own
    thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
 5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
