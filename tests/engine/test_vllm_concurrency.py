@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 import pytest
-
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.serving.concurrency import ConcurrencyController, ConcurrencyPolicy
 from dflash_pipeline.serving.deadline import DeadlinePolicy, forget, server_watch
 from dflash_pipeline.serving.pilot import ConcurrencyPilot
+from dflash_pipeline.serving.probe import server_load_sample
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerSpec,
@@ -26,7 +26,6 @@ from dflash_pipeline.serving.sglang import (
     chat_once,
     new_chat_client,
     new_session,
-    server_load_sample,
 )
 
 pytestmark = pytest.mark.slow

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import requests
-
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.dev.engine.tiny_qwen import IM_END, THINK_END
 from dflash_pipeline.dev.sim import SimConfig, SimServer
 from dflash_pipeline.dev.sim.vllm_wire import METRICS_CONTENT_TYPE, SCALE_OUT_DISABLED_MSG
 from dflash_pipeline.serving.engines import vllm_kv_tokens
+from dflash_pipeline.serving.probe import probe_server, server_load
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerSpec,
@@ -35,8 +35,6 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
     parse_chat_response,
-    probe_server,
-    server_load,
 )
 
 pytestmark = pytest.mark.slow
@@ -264,9 +262,8 @@ def test_prompt_ids_are_our_template(target: Target, thinking: bool, tmp_path: P
     tokenizer_config.json), and are exactly our `tokenizers` encoding of that text."""
     if target.tokenizer_dir is None:
         pytest.skip("the simulator has no tokenizer: its prompt ids are not comparable")
-    from tokenizers import Tokenizer
-
     from dflash_pipeline.steps.validate.tokencount import Recounter, fetch_tokenizer
+    from tokenizers import Tokenizer
 
     recounter = Recounter(fetch_tokenizer(str(target.tokenizer_dir), lambda b, k: None, tmp_path), thinking)
     tok = Tokenizer.from_file(str(target.tokenizer_dir / "tokenizer.json"))

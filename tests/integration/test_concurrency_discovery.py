@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import requests
-
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.dev.sim import SimConfig, SimFleet
-from dflash_pipeline.serving.sglang import ServerSpec, new_session, probe_server
+from dflash_pipeline.serving.probe import probe_server
+from dflash_pipeline.serving.sglang import ServerSpec, new_session
 from dflash_pipeline.steps.generate import Worker, settings_for
 from dflash_pipeline.steps.plan import run_plan
 from dflash_pipeline.steps.preflight import record_concurrency, run_preflight

@@ -8,10 +8,9 @@ import math
 from typing import Any
 
 import pytest
-
 from dflash_pipeline.serving.concurrency import ConcurrencyController, ConcurrencyPolicy, queue_for
 from dflash_pipeline.serving.engines import LoadSample
-from dflash_pipeline.serving.sglang import derive_concurrency
+from dflash_pipeline.serving.probe import derive_concurrency
 
 
 class Clock:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import requests
-
 from dflash_pipeline.config import Sampling
 from dflash_pipeline.dev.sim import SimConfig, SimServer
 from dflash_pipeline.serving.engines import Engine, error_message, vllm_kv_tokens, vllm_load
+from dflash_pipeline.serving.probe import probe_server, server_load
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerSpec,
@@ -22,8 +22,6 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
     parse_chat_response,
-    probe_server,
-    server_load,
 )
 
 FAST = {"token_time_s": 0.0005, "length_scale": 0.02}
@@ -222,7 +220,7 @@ def test_sglang_load_from_v1_loads_and_from_get_load_on_older_servers() -> None:
 def test_load_samples_split_running_from_waiting_with_kv_usage(sims: Any) -> None:
     """What the concurrency controller reads: running and waiting apart, and KV cache usage."""
     from dflash_pipeline.serving.engines import LoadSample, sglang_load_sample, vllm_load_sample
-    from dflash_pipeline.serving.sglang import server_load_sample
+    from dflash_pipeline.serving.probe import server_load_sample
 
     text = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'

@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dflash_pipeline.config import Sampling
+from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency
 from dflash_pipeline.serving.sglang import (
     build_chat_body,
     classify_http_error,
-    concurrency_warning,
-    derive_concurrency,
     parse_chat_response,
     request_seed,
     split_reasoning,

@@ -371,8 +371,9 @@ def forget(prefix: Any = None) -> None:
 def server_watch(run_id: str, server: Any, engine: str | None, policy: DeadlinePolicy) -> ServerWatch:
     """The shared ServerWatch of one server (a serving.sglang.ServerSpec) in one run, probing the
     engine's load endpoint with its own HTTP session."""
-    from dflash_pipeline.serving.sglang import new_session, server_load_sample
     from dflash_pipeline.serving.engines import adapter
+    from dflash_pipeline.serving.probe import server_load_sample
+    from dflash_pipeline.serving.sglang import new_session
 
     key = (run_id, server.name, server.base_url)
     with _WATCHES_LOCK:

@@ -8,29 +8,26 @@ which waits for it and hands its work to the others if it never comes back.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any
-
 import dataclasses
 import json
+import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from dflash_pipeline.config import ConfigError, RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency, probe_server
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerInfo,
     ServerSpec,
     build_chat_body,
     chat_once,
-    concurrency_warning,
-    derive_concurrency,
     new_chat_client,
     new_session,
-    probe_server,
 )
 from dflash_pipeline.steps.plan import load_manifest, update_manifest
 
