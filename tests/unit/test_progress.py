@@ -15,17 +15,15 @@ from typing import Any
 import pytest
 
 from dflash_pipeline.monitor import ui
+from dflash_pipeline.monitor.fleet import aggregate, fleet_series, worker_state
 from dflash_pipeline.monitor.progress import (
     HISTORY_MAX,
     MIN_COMPLETIONS_FOR_ETA,
     ProgressWriter,
-    aggregate,
     carried_totals,
     downsample,
     eta_seconds,
-    fleet_series,
     recent_rate,
-    worker_state,
 )
 
 RUN = "manual__2026-12-01T10:00:00+00:00"

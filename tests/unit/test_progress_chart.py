@@ -14,7 +14,8 @@ import pytest
 
 from dflash_pipeline.config import short_server_labels
 from dflash_pipeline.monitor import ui
-from dflash_pipeline.monitor.progress import HISTORY_MAX, SERIES_POINTS, ProgressWriter, aggregate, fleet_series
+from dflash_pipeline.monitor.fleet import aggregate, fleet_series
+from dflash_pipeline.monitor.progress import HISTORY_MAX, SERIES_POINTS, ProgressWriter
 from tests.unit.test_progress import RUN, FakeStore, _snapshot
 
 SERVERS = ("http://10.0.0.11:30000", "http://10.0.0.12:30000", "http://10.0.0.13:30000")

@@ -1,7 +1,7 @@
 """HTML for the run page of the Airflow UI plugin, from plain data (no Airflow, no I/O here).
 
 Server-rendered on purpose: the page is an iframe inside Airflow's UI, it must work without a
-build step, and every figure it shows is computed once, in Python (`progress.aggregate`). A few
+build step, and every figure it shows is computed once, in Python (`fleet.aggregate`). A few
 lines of inline JS re-fetch the page's main block while the run is going.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote
 
 from dflash_pipeline.config import short_server_labels
-from dflash_pipeline.monitor.progress import format_duration
+from dflash_pipeline.monitor.fleet import format_duration
 
 TERMINAL = frozenset({"success", "failed"})
 _PALETTE = ("#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d", "#4d7c0f")

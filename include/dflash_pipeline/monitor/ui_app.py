@@ -34,7 +34,7 @@ from sqlalchemy import select
 from dflash_pipeline.dataset.layout import DatasetLayout, UriError, chunk_of_key
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.monitor import ui
-from dflash_pipeline.monitor.progress import aggregate
+from dflash_pipeline.monitor.fleet import aggregate
 
 logger = logging.getLogger(__name__)
 
