@@ -34,7 +34,7 @@ from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TRAINER_PARAM_SCHEMAS
 DFLASH_BLOCK_SIZE = 16
 """SpecForge 0.2.0's DFlash block size (specforge/algorithms/model_providers.py, generated draft configs)."""
 DEFAULT_MIN_LOSS_TOKENS = DFLASH_MIN_LOSS_TOKENS
-"""2 x DFLASH_BLOCK_SIZE (the `min_loss_tokens` param's default, in config.py)."""
+"""2 x DFLASH_BLOCK_SIZE (the `min_loss_tokens` param's default, in config/tokenize.py)."""
 DEFAULT_MAX_LENGTH: int = TRAINER_PARAM_SCHEMAS["max_length"]["default"]
 """SpecForge's Qwen3.5/3.6 DFlash recipes (examples/configs/qwen3.6-27b-dflash-online.yaml,
 qwen3.5-35b-a3b-dflash-online.yaml: data.max_length 4096)."""

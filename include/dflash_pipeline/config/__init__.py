@@ -1,0 +1,34 @@
+"""The run's configuration: the DAG params' JSON schemas and the typed configs built from them.
+
+`run` holds dflash_generate's params (RunConfig, Sampling) and the schema checks; `tokenize` holds
+dflash_tokenize's (TokenizeConfig, the trainer-facing params). Everything is re-exported here, so
+callers import from `dflash_pipeline.config`.
+"""
+
+from dflash_pipeline.config.run import (
+    PARAM_SCHEMAS,
+    REQUIRED_PARAMS,
+    SECTION_DATA,
+    SECTION_RUN,
+    SECTION_SAMPLING,
+    SECTION_SERVERS,
+    SECTION_VALIDATION,
+    ConfigError,
+    RunConfig,
+    Sampling,
+    short_server_labels,
+)
+from dflash_pipeline.config.tokenize import (
+    DFLASH_MIN_LOSS_TOKENS,
+    SECTION_TOKENIZE,
+    TOKENIZE_PARAM_SCHEMAS,
+    TOKENIZE_PROFILES,
+    TRAINER_PARAM_SCHEMAS,
+    TokenizeConfig,
+)
+
+__all__ = [
+    "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
+    "SECTION_SERVERS", "SECTION_TOKENIZE", "SECTION_VALIDATION", "TOKENIZE_PARAM_SCHEMAS", "TOKENIZE_PROFILES",
+    "TRAINER_PARAM_SCHEMAS", "ConfigError", "RunConfig", "Sampling", "TokenizeConfig", "short_server_labels",
+]

@@ -1,0 +1,171 @@
+"""dflash_tokenize's params: their JSON schemas (the DAG's Params) and the checked TokenizeConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
+from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
+
+
+SECTION_TOKENIZE = "Tokenize"
+
+TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "output_uri": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^s3://[^/]+/.+",
+        "description": "Manual runs: s3://bucket/prefix of a validated dataset root to tokenize. Runs queued "
+        "by the dflash_completions asset take the dataset from the event and ignore this.",
+        "section": SECTION_DATA,
+    },
+    "tokenizer": {
+        "type": ["null", "string"],
+        "default": None,
+        "description": "The training tokenizer: a local tokenizer.json or model directory, "
+        "s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ tokenizer_config.json "
+        "with the chat template). Null = the one validation recounted with (from the dataset's report).",
+        "section": SECTION_TOKENIZE,
+    },
+    "train_turns": {
+        "type": "string",
+        "enum": ["all", "last"],
+        "default": "all",
+        "description": "Which regenerated assistant turns become training rows: 'all' (one row per turn, its "
+        "context exactly what that turn's request carried), or only the 'last'. Only tokens the model "
+        "generated carry loss; answers copied from the input are context, never trained.",
+        "section": SECTION_TOKENIZE,
+    },
+    "loss_on_reasoning": {
+        "type": "boolean",
+        "default": True,
+        "description": "Train the reasoning (its <think> markup included) of the trained turns, not only their "
+        "answers: a drafter for a thinking model must draft the thinking.",
+        "section": SECTION_TOKENIZE,
+    },
+    "drop_truncated": {
+        "type": "boolean",
+        "default": False,
+        "description": "Drop rows whose generation stopped at max_tokens (finish_reason 'length'); counted "
+        "in the report either way.",
+        "section": SECTION_TOKENIZE,
+    },
+    "train_eot_newline": {
+        "type": "boolean",
+        "default": True,
+        "description": "Append the template's text after the end-of-turn token the model emitted (ChatML's "
+        "newline after <|im_end|>) and train it, as SpecForge's mask does; false leaves it out. The "
+        "end-of-turn token itself is always trained; a turn cut at max_tokens has neither.",
+        "section": SECTION_TOKENIZE,
+    },
+    "keep_unverified": {
+        "type": "boolean",
+        "default": False,
+        "description": "Keep turns whose engine returned no token ids and whose re-encoded text does not match "
+        "the engine's token counts (counted and named in the report either way). Off: they stay out "
+        "of the shards.",
+        "section": SECTION_TOKENIZE,
+    },
+    "workers": {
+        "type": "integer",
+        "default": 4,
+        "minimum": 1,
+        "maximum": 256,
+        "description": "Mapped tokenize tasks; the dataset's parts are split among them (each encodes on all "
+        "the cores of its worker).",
+        "section": SECTION_RUN,
+    },
+    "aws_conn_id": {
+        "type": "string",
+        "default": "aws_default",
+        "minLength": 1,
+        "description": "Airflow connection id (type aws) of the datasets' S3 store.",
+        "section": SECTION_DATA,
+    },
+}
+
+
+# -- what the trainers read (issue 23): output profiles and DFlash-ready rows. One block; the sources of the
+# defaults are in steps/tokenize/dflash.py and docs/trainers.md.
+TOKENIZE_PROFILES = ("parquet", "specforge", "speculators")
+DFLASH_MIN_LOSS_TOKENS = 32  # 2 x SpecForge's DFlash block size 16
+TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "max_length": {
+        "type": "integer",
+        "default": 4096,
+        "minimum": 16,
+        "maximum": 1048576,
+        "description": "Tokens per training row at most (SpecForge's Qwen3.5/3.6 DFlash recipes use 4096): a longer "
+        "row is cut here, as SpecForge and speculators cut it, and flagged truncated_to_max_length.",
+        "section": SECTION_TOKENIZE,
+    },
+    "profiles": {
+        "type": "array",
+        "default": list(TOKENIZE_PROFILES),
+        "minItems": 1,
+        "uniqueItems": True,
+        "items": {"type": "string", "enum": list(TOKENIZE_PROFILES)},
+        "description": "Files written per part, one folder per profile under tokenized/: 'parquet' (all columns, "
+        "loadable with datasets), 'specforge' (its pre-tokenized JSONL for data.prompts_path + a conversations "
+        "JSONL for data.train_data_path), 'speculators' (speculator-format JSONL for prepare-data). Each JSONL "
+        "profile costs about as much storage as the Parquet uncompressed.",
+        "section": SECTION_TOKENIZE,
+    },
+    "min_loss_tokens": {
+        "type": "integer",
+        "default": DFLASH_MIN_LOSS_TOKENS,
+        "minimum": 0,
+        "maximum": 1048576,
+        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report. "
+        "Default 2 x DFlash's block size 16; SpecForge 0.2.0 itself requires only 2.",
+        "section": SECTION_TOKENIZE,
+    },
+    "require_consecutive_loss_tokens": {
+        "type": "boolean",
+        "default": True,
+        "description": "Drop rows without two adjacent trained tokens: DFlash anchors each block on one, and "
+        "SpecForge refuses batches without them. Only an EAGLE-only dataset can turn this off.",
+        "section": SECTION_TOKENIZE,
+    },
+}
+TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """dflash_tokenize's params, checked (Airflow checks the schemas; this also serves library callers)."""
+
+    output_uri: str | None = None
+    tokenizer: str | None = None
+    max_length: int = 4096
+    train_turns: str = "all"
+    loss_on_reasoning: bool = True
+    drop_truncated: bool = False
+    train_eot_newline: bool = True
+    keep_unverified: bool = False
+    workers: int = 4
+    aws_conn_id: str = "aws_default"
+    profiles: tuple[str, ...] = TOKENIZE_PROFILES
+    min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
+    require_consecutive_loss_tokens: bool = True
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
+        params = {k: v for k, v in dict(params).items()}
+        unknown = sorted(set(params) - set(TOKENIZE_PARAM_SCHEMAS))
+        if unknown:
+            raise ConfigError(f"unknown conf key(s) {unknown}; valid keys are {sorted(TOKENIZE_PARAM_SCHEMAS)}")
+        for name, value in params.items():
+            _check_schema(name, value, TOKENIZE_PARAM_SCHEMAS[name])
+        for name in ("output_uri", "tokenizer"):
+            value = params.get(name)
+            if isinstance(value, str) and (name == "output_uri" or value.startswith("s3://")):
+                try:
+                    parse_s3_uri(value, what=name)
+                except UriError as exc:
+                    raise ConfigError(str(exc)) from exc
+        values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
+        values["tokenizer"] = values["tokenizer"] or None
+        values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
+        return cls(**values)
