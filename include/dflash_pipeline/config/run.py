@@ -218,9 +218,10 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 5,
         "minimum": 1,
         "maximum": 3600,
-        "description": "A server that has failed every request for this long hands its unfinished "
-        "chunks (finished rows saved) to the other servers at once, and goes on probing /health; "
-        "it takes new work again when it recovers, or fails after server_lost_after_s.",
+        "description": "A server that has failed every request for this long (dead, or answering "
+        "/health while every generation fails) hands its unfinished chunks (finished rows saved) to "
+        "the other servers at once, stops claiming and goes on probing it with a 1-token generation; "
+        "it takes new work again when one succeeds, or fails after server_lost_after_s.",
         "section": SECTION_RUN,
     },
     "claim_lease_s": {
