@@ -7,7 +7,9 @@ Put between the pipeline's boto3 client and moto, it answers each request, by on
 - `lost`: forwards a write (PUT/DELETE), lets it take effect, then closes the connection without
   an answer, so botocore re-sends it and sees the outcome of its own first write (412 on a
   conditional create, a changed ETag on If-Match);
-- `outage(seconds)`: every connection closed unanswered for a while (the endpoint unreachable).
+- `outage(seconds)`: every connection closed unanswered for a while (the endpoint unreachable);
+- rules (`add_rule`): aimed faults for one kind of request, e.g. every part PUT answered 503, or
+  every partial PUT held 5 s before it is forwarded, for the next N matches or until a time.
 Everything else is forwarded unchanged, so moto's state stays the one truth.
 """
 
@@ -16,10 +18,14 @@ from __future__ import annotations
 import http.client
 import logging
 import random
+import re
 import socket
 import threading
 import time
+import urllib.parse
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -33,8 +39,59 @@ def _error_xml(code: str, message: str) -> bytes:
             f"<RequestId>s3faults</RequestId></Error>").encode()
 
 
+#: S3's error code for the statuses a rule may answer with (others: "InjectedFault").
+_CODES = {
+    400: "BadRequest", 403: "AccessDenied", 404: "NoSuchKey", 409: "ConditionalRequestConflict",
+    412: "PreconditionFailed", 500: "InternalError", 503: "SlowDown",
+}
+
+
+@dataclass
+class FaultRule:
+    """One aimed fault (`S3FaultProxy.add_rule`). A request matches when its method is `method`
+    (None: any) and `key_regex` is found in its path `/bucket/key` (URL-decoded, no query string;
+    None: any path), while the rule is live: fewer than `times` matches so far (None: no limit),
+    `until` not reached (a `time.monotonic()` value, or a callable that returns True once the rule
+    should end; None: never) and not `end()`ed. A matched request is held `delay_s` seconds, then
+    answered `status` (with S3's error XML; `code` overrides the error code) without being
+    forwarded, or forwarded unchanged when `status` is None. `hits` counts matches, `in_flight`
+    the matched requests not answered yet (held by the delay, or forwarded and not back from the
+    target); it drops before the answer is sent, so a client that has its answer sees it settled."""
+
+    method: str | None = None
+    key_regex: str | None = None
+    status: int | None = None
+    code: str | None = None
+    delay_s: float = 0.0
+    times: int | None = None
+    until: float | Callable[[], bool] | None = None
+    hits: int = 0
+    in_flight: int = 0
+    ended: bool = False
+    _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._pattern = re.compile(self.key_regex) if self.key_regex is not None else None
+
+    def end(self) -> None:
+        """Stop matching new requests (those already matched finish as decided)."""
+        self.ended = True
+
+    def live(self, now: float) -> bool:
+        if self.ended or (self.times is not None and self.hits >= self.times):
+            return False
+        if self.until is None:
+            return True
+        return not self.until() if callable(self.until) else now < self.until
+
+    def matches(self, method: str, path: str) -> bool:
+        if self.method is not None and self.method.upper() != method:
+            return False
+        return self._pattern is None or self._pattern.search(path) is not None
+
+
 class S3FaultProxy:
-    """Start with `.start()`, point clients at `.url`, change rates at any time, `.stop()`."""
+    """Start with `.start()`, point clients at `.url`, change rates and add rules at any time, `.stop()`."""
 
     def __init__(self, target_port: int, *, seed: int = 0, slowdown: float = 0.0, conflict: float = 0.0,
                  lost: float = 0.0, host: str = "127.0.0.1") -> None:
@@ -46,6 +103,8 @@ class S3FaultProxy:
         self._rng = random.Random(f"s3faults:{seed}")
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._rules: list[FaultRule] = []
+        self._stopping = threading.Event()
         self.counts: Counter[str] = Counter()
         proxy = self
 
@@ -77,8 +136,43 @@ class S3FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()  # requests held by a rule's delay are dropped at once
         self._server.shutdown()
         self._server.server_close()
+
+    def add_rule(self, *, method: str | None = None, key_regex: str | None = None, status: int | None = None,
+                 code: str | None = None, delay_s: float = 0.0, times: int | None = None,
+                 until: float | Callable[[], bool] | None = None) -> FaultRule:
+        """Aim a fault at matching requests (FaultRule has the semantics) and return the rule (its
+        `hits`, `in_flight`, `end()`). Rules come before the seeded draws and an outage; when
+        several match, the one added last decides, so a later rule overrides an earlier one for
+        requests that arrive after it (e.g. part PUTs slowed, then refused from some moment)."""
+        if status is None and delay_s <= 0:
+            raise ValueError("a rule needs a status to answer or a delay_s to hold requests")
+        rule = FaultRule(method=method, key_regex=key_regex, status=status, code=code, delay_s=delay_s,
+                         times=times, until=until)
+        with self._lock:
+            self._rules.append(rule)
+        return rule
+
+    def clear_rules(self) -> None:
+        """End and forget every rule."""
+        with self._lock:
+            for rule in self._rules:
+                rule.end()
+            self._rules = []
+
+    def _match_rule(self, method: str, raw_path: str) -> FaultRule | None:
+        path = urllib.parse.unquote(urllib.parse.urlsplit(raw_path).path)
+        now = time.monotonic()
+        with self._lock:
+            for rule in reversed(self._rules):
+                if rule.live(now) and rule.matches(method, path):
+                    rule.hits += 1
+                    rule.in_flight += 1
+                    self.counts["rule"] += 1
+                    return rule
+        return None
 
     def outage(self, seconds: float) -> None:
         """The endpoint is unreachable (connections closed unanswered) for `seconds` from now; an
@@ -136,9 +230,45 @@ class S3FaultProxy:
         except OSError:
             pass
 
+    def _answer_error(self, h: BaseHTTPRequestHandler, method: str, status: int, code: str, msg: str) -> None:
+        payload = b"" if method == "HEAD" else _error_xml(code, msg)
+        h.send_response(status)
+        h.send_header("Content-Type", "application/xml")
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload)
+
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         body = self._read_body(h)
         method = h.command
+        rule = self._match_rule(method, h.path)
+        if rule is None:
+            self._handle_drawn(h, method, body)
+            return
+        settled = False
+
+        def settle() -> None:  # before the answer goes out: a client never sees its own request in flight
+            nonlocal settled
+            if not settled:
+                settled = True
+                with self._lock:
+                    rule.in_flight -= 1
+
+        try:
+            if rule.delay_s > 0 and self._stopping.wait(rule.delay_s):
+                settle()
+                self._drop(h)  # the proxy is stopping: nothing is forwarded late
+                return
+            if rule.status is None:
+                self._forward(h, method, body, fault=None, before_reply=settle)
+            else:
+                code = rule.code or _CODES.get(rule.status, "InjectedFault")
+                settle()
+                self._answer_error(h, method, rule.status, code, "Injected by an s3faults rule.")
+        finally:
+            settle()
+
+    def _handle_drawn(self, h: BaseHTTPRequestHandler, method: str, body: bytes) -> None:
         conditional = method in ("PUT", "DELETE") and ("If-Match" in h.headers or "If-None-Match" in h.headers)
         fault = self._draw(conditional, method in ("PUT", "DELETE"))
         if fault is not None:
@@ -150,13 +280,12 @@ class S3FaultProxy:
         if fault in ("slowdown", "conflict"):
             status, code, msg = ((503, "SlowDown", "Please reduce your request rate.") if fault == "slowdown" else
                                  (409, "ConditionalRequestConflict", "A conflicting operation is in progress."))
-            payload = b"" if method == "HEAD" else _error_xml(code, msg)
-            h.send_response(status)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            h.wfile.write(payload)
+            self._answer_error(h, method, status, code, msg)
             return
+        self._forward(h, method, body, fault)
+
+    def _forward(self, h: BaseHTTPRequestHandler, method: str, body: bytes, fault: str | None,
+                 before_reply: Callable[[], None] | None = None) -> None:
         conn = http.client.HTTPConnection(*self.target, timeout=60)
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
@@ -165,6 +294,8 @@ class S3FaultProxy:
             conn.request(method, h.path, body=body or None, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+            if before_reply is not None:
+                before_reply()
             if fault == "lost" and 200 <= resp.status < 300:
                 self._drop(h)  # the write took effect; its answer never arrives
                 return
