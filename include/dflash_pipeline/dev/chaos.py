@@ -6,32 +6,48 @@ outage), a simulated fleet (aborted, hung and failed requests, deaths with and w
 and one generate worker per server, each in its own process as a mapped Airflow task is, SIGTERMed
 or SIGKILLed at random moments and retried (a new try) like Airflow retries a failed task.
 
+Most schedules also inject faults at the protocol's own state transitions (dev/transitions.py:
+delays, leases lost to a peer, a stop landing in a window, checkpoints in flight at the stop),
+drawn from a stream of the seed of their own, so a seed's S3, server and worker events stay what
+they were before transition faults existed.
+
 Every schedule must end, within a bound, with every planned id exactly once, no unfinished answer
 stored and no claim left; `requests wasted` (generation requests beyond one per row) is printed.
+Stops are measured: every SIGTERM the runner sends and every stop a transition fault requests, to
+the process's exit; one longer than `stop_grace_s + STOP_MARGIN_S` fails the schedule. A process
+that does not end within `HANG_AFTER_STOP_S` of a stop, or a schedule still running at `bound_s`,
+is a hang: the runner asks the child for a thread dump (SIGUSR1, `faulthandler`), puts it in the
+result and SIGKILLs the process.
 `bench/chaos.py` runs many; tests/integration/test_chaos.py runs a few in CI.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import decode_part
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.dev.s3faults import S3FaultProxy
 from dflash_pipeline.dev.sim import SimConfig, SimFleet
+from dflash_pipeline.dev.transitions import FAULT_MARK, PEER_OWNER, STOP_MARK, TransitionFaults, TransitionRates
 from dflash_pipeline.serving.sglang import ServerSpec, check_health, new_session
+from dflash_pipeline.steps.generate.chunks import claim_doc
 from dflash_pipeline.steps.plan import run_plan
 from dflash_pipeline.steps.preflight import run_preflight
 from dflash_pipeline.steps.validate import ValidationFailed, run_validation
@@ -39,6 +55,24 @@ from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 logger = logging.getLogger(__name__)
 
 EXIT_DONE, EXIT_LOST, EXIT_STOPPED, EXIT_OTHER = 0, 3, 4, 1
+#: The stop grace the schedules run with (WorkerSettings' default, set explicitly so the bound
+#: below does not move if the default does).
+STOP_GRACE_S = 3.0
+#: A stop may take `stop_grace_s` plus this, from the SIGTERM to the process's exit. Airflow 3's task
+#: supervisor SIGKILLs a task 5 s after its SIGTERM (`ActivitySubprocess.kill(SIGTERM, force=True)`,
+#: `escalation_delay=5.0`), which loses whatever the stop had not saved yet. The worker's stop ends by
+#: its absolute deadline (`stop_grace_s` after the request); the margin covers what follows in a real
+#: process: the signal reaching Python's main thread, the interpreter's exit, and this runner's
+#: 50 ms poll. 3 + 1.5 = 4.5 s leaves half a second before the supervisor's SIGKILL.
+STOP_MARGIN_S = 1.5
+#: A process still alive this long after a stop is hung: dumped, counted, SIGKILLed.
+HANG_AFTER_STOP_S = 20.0
+#: The child dumps every thread's stack (faulthandler) into its log on this signal.
+DUMP_SIGNAL = signal.SIGUSR1
+DUMP_WAIT_S = 1.0
+_DUMP_LINE = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+|^  File "|^  <no Python frame>|chaos-threads ')
+_FAULT_LINE = re.compile(rf"{FAULT_MARK} kind=(\w+)")
+_STOP_LINE = re.compile(rf"{STOP_MARK} by=(\w+) t=([0-9.]+)")
 
 
 @dataclass
@@ -59,16 +93,24 @@ class Schedule:
     servers: list[dict[str, float]]
     events: list[Event]
     lease_s: float = 8.0
+    stop_grace_s: float = STOP_GRACE_S
+    transitions: TransitionRates = field(default_factory=TransitionRates)
 
     def describe(self) -> str:
         ev = ", ".join(f"{e.kind}{'' if e.kind == 'outage' else e.target}@{e.at_s:.0f}s" for e in self.events)
         s3 = "/".join(f"{self.s3[k]:.0%}" for k in ("slowdown", "conflict", "lost"))
-        return f"{self.n_servers} srv, {self.n_prompts} prompts, S3 {s3}; {ev or 'no events'}"
+        t = f"; {self.transitions.describe()}" if self.transitions.any else ""
+        return f"{self.n_servers} srv, {self.n_prompts} prompts, S3 {s3}; {ev or 'no events'}{t}"
 
 
 def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
-                    n_servers: int | None = None) -> Schedule:
-    """A schedule drawn from `seed`. At least one server never dies for good (a run needs one)."""
+                    n_servers: int | None = None, transitions: bool = True,
+                    always_transitions: bool = False) -> Schedule:
+    """A schedule drawn from `seed`. At least one server never dies for good (a run needs one).
+
+    Transition faults (`transitions`; none with `s3_only`) come from a stream of their own, so the
+    rest of a seed's schedule is the same with or without them; most schedules draw some
+    (`always_transitions`: every one)."""
     rng = random.Random(f"chaos:{seed}")
     n_servers = n_servers or rng.randint(2, 4)
     s3 = {"slowdown": rng.uniform(0, 0.10), "conflict": rng.uniform(0, 0.15), "lost": rng.uniform(0, 0.05)}
@@ -95,7 +137,10 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
             else:
                 events.append(Event(at, kind, rng.randrange(n_servers)))
     events.sort(key=lambda e: e.at_s)
-    return Schedule(seed, rng.randint(300, 700), rng.choice([25, 50, 100]), n_servers, s3, servers, events)
+    sc = Schedule(seed, rng.randint(300, 700), rng.choice([25, 50, 100]), n_servers, s3, servers, events)
+    if transitions and not s3_only:
+        sc.transitions = TransitionRates.draw(random.Random(f"chaos-transitions:{seed}"), always=always_transitions)
+    return sc
 
 
 @dataclass
@@ -109,18 +154,37 @@ class ChaosResult:
     duplicated: int = 0
     unfinished_stored: int = 0
     claims_left: int = 0
+    #: Each claim left: its key, its document and age, and whether its chunk's part exists.
+    claims_left_detail: list[str] = field(default_factory=list)
+    #: Claims of the injected peer (dev/transitions.py) left on committed chunks, deleted at the end as
+    #: that peer's retry would; not the workers' doing, not counted in `claims_left`.
+    peer_claims_swept: int = 0
     requests: int = 0
     wasted: int = 0
     tries: int = 0
+    #: Tries that ended with an unexpected exception (exit 1); the supervisor retried them.
+    failed_tries: int = 0
     wall_s: float = 0.0
     hung: bool = False
+    hangs: list[str] = field(default_factory=list)
+    #: Every measured stop (SIGTERM or a stop a transition fault requested -> process exit), seconds.
+    stops: list[float] = field(default_factory=list)
+    stop_bound_s: float = STOP_GRACE_S + STOP_MARGIN_S
+    slow_stops: list[str] = field(default_factory=list)
+    protocol_errors: list[str] = field(default_factory=list)
+    thread_dumps: list[str] = field(default_factory=list)
     s3_faults: dict[str, int] = field(default_factory=dict)
+    transition_faults: dict[str, int] = field(default_factory=dict)
     log_dir: str = ""
+
+    @property
+    def max_stop_s(self) -> float:
+        return max(self.stops, default=0.0)
 
     @property
     def ok(self) -> bool:
         return not self.hung and self.missing == 0 and self.duplicated == 0 and self.unfinished_stored == 0 \
-            and self.claims_left == 0 and self.rows > 0
+            and self.claims_left == 0 and self.rows > 0 and not self.slow_stops and not self.protocol_errors
 
 
 def _prompts(n: int, seed: int) -> bytes:
@@ -128,31 +192,108 @@ def _prompts(n: int, seed: int) -> bytes:
                      for i in range(n)).encode()
 
 
-def _spawn(spec: dict[str, Any], log_dir: str) -> subprocess.Popen[bytes]:
-    log = open(os.path.join(log_dir, f"w{spec['map_index']}-try{spec['try']}.log"), "wb")  # noqa: SIM115
-    with log:  # the child holds its own descriptor
-        return subprocess.Popen([sys.executable, "-m", "dflash_pipeline.dev.chaos", "worker", json.dumps(spec)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+class _Proc:
+    """One try of one task: its process, its log, and the stop being measured."""
+
+    def __init__(self, index: int, try_number: int, spec: dict[str, Any], log_dir: str) -> None:
+        self.index = index
+        self.try_number = try_number
+        self.log_path = os.path.join(log_dir, f"w{index}-try{try_number}.log")
+        with open(self.log_path, "wb") as log:  # the child holds its own descriptor
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "dflash_pipeline.dev.chaos", "worker", json.dumps(spec)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.exit_t: float | None = None  # monotonic, set by the waiter thread
+        self.stop_t: float | None = None  # monotonic, when its stop was requested
+        self.stop_by = ""
+        self.killed = False  # SIGKILLed by the runner: its stop, if any, is not measured
+        self.slow_dumped = False
+        self._log_offset = 0
+        self._log_rest = b""
+        threading.Thread(target=self._wait, name=f"wait-w{index}", daemon=True).start()
+
+    def _wait(self) -> None:
+        self.popen.wait()
+        self.exit_t = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return f"w{self.index} try{self.try_number}"
+
+    @property
+    def ended(self) -> bool:
+        return self.exit_t is not None
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.ended:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stopping(self, t: float, by: str) -> None:
+        if self.stop_t is None:
+            self.stop_t, self.stop_by = t, by
+
+    def scan_log(self) -> None:
+        """Read what the child logged since the last call; a stop a transition fault requested
+        starts the stop's clock (from the child's wall-clock stamp)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                data = f.read()
+        except OSError:
+            return
+        self._log_offset += len(data)
+        lines = (self._log_rest + data).split(b"\n")
+        self._log_rest = lines.pop()
+        for raw in lines:
+            m = _STOP_LINE.search(raw.decode(errors="replace"))
+            if m and m.group(1) == "transition":
+                self.stopping(time.monotonic() - max(0.0, time.time() - float(m.group(2))), "transition")
+
+    def thread_dump(self, why: str) -> str:
+        """Ask the child for every thread's stack and return it (from its log)."""
+        head = f"--- {self.name} ({self.log_path}): {why}"
+        if self.ended:
+            return f"{head}: exited before the dump"
+        offset = os.path.getsize(self.log_path)
+        try:
+            os.kill(self.popen.pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            return f"{head}: gone before the dump"
+        time.sleep(DUMP_WAIT_S)
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        dump = [line for line in text.splitlines() if _DUMP_LINE.search(line)]
+        return "\n".join([head, *dump]) if dump else f"{head}: no dump in the log"
 
 
 def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: str, s3_client: Any,
-                 bound_s: float = 240.0, token_time_s: float = 0.002, log_dir: str | None = None) -> ChaosResult:
-    """Run one schedule to its end (or `bound_s`: a hang) and check the dataset from moto directly."""
+                 bound_s: float = 240.0, token_time_s: float = 0.002, log_dir: str | None = None,
+                 hang_after_stop_s: float = HANG_AFTER_STOP_S) -> ChaosResult:
+    """Run one schedule to its end (or `bound_s`: a hang) and check the dataset from moto directly.
+    `s3_endpoint` is moto itself: the workers talk to it through the fault front, the injected peer
+    (transition faults) directly."""
     sc = schedule
-    result = ChaosResult(sc.seed, sc.describe())
+    result = ChaosResult(sc.seed, sc.describe(), stop_bound_s=sc.stop_grace_s + STOP_MARGIN_S)
     root = f"chaos/{sc.seed}-{int(time.time() * 1000)}"
     s3_client.put_object(Bucket=bucket, Key=f"{root}/prompts.jsonl", Body=_prompts(sc.n_prompts, sc.seed))
     configs = [SimConfig(token_time_s=token_time_s, length_scale=0.05, max_running_requests=6, hang_s=60.0,
                          fault_seed=sc.seed * 10 + i, **knobs) for i, knobs in enumerate(sc.servers)]
-    params = {
+    params: dict[str, Any] = {
         "prompts_uri": f"s3://{bucket}/{root}/prompts.jsonl", "output_uri": f"s3://{bucket}/{root}/ds",
         "save_every": sc.save_every, "request_timeout_s": 12, "server_lost_after_s": 10,
         "server_handoff_after_s": 1, "claim_lease_s": sc.lease_s, "max_attempts": 6,
     }
+    # WorkerSettings that are not run params: the stop grace, and how often checkpoints are taken.
+    worker_settings = {"stop_grace_s": sc.stop_grace_s, "checkpoint_every_s": sc.transitions.checkpoint_every_s}
     log_dir = log_dir or tempfile.mkdtemp(prefix=f"chaos-{sc.seed}-")
     result.log_dir = log_dir
     proxy = S3FaultProxy(s3_port, seed=sc.seed, **sc.s3).start()
-    procs: dict[int, subprocess.Popen[bytes]] = {}
+    procs: dict[int, _Proc] = {}
     try:
         with SimFleet(configs) as fleet:
             params["servers"] = fleet.urls
@@ -162,12 +303,14 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
             infos = run_preflight(s3_client, cfg, [ServerSpec(u, u) for u in fleet.urls], run_id)
             tries = [0] * sc.n_servers
             done = [False] * sc.n_servers
-            env_spec = {"endpoint": proxy.url, "params": params, "run_id": run_id}
+            env_spec = {"endpoint": proxy.url, "direct_endpoint": s3_endpoint, "params": params, "run_id": run_id,
+                        "seed": sc.seed, "worker": worker_settings, "transitions": sc.transitions.to_dict()}
 
             def start(i: int) -> None:
                 tries[i] += 1
                 result.tries += 1
-                procs[i] = _spawn({**env_spec, "map_index": i, "server": infos[i], "try": tries[i]}, log_dir)
+                spec = {**env_spec, "map_index": i, "server": infos[i], "try": tries[i]}
+                procs[i] = _Proc(i, tries[i], spec, log_dir)
 
             for i in range(sc.n_servers):
                 start(i)
@@ -178,6 +321,9 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                 now = time.monotonic() - t0
                 if now > bound_s:
                     result.hung = True
+                    result.hangs.append(f"schedule still running after {bound_s:.0f}s")
+                    for p in procs.values():
+                        result.thread_dumps.append(p.thread_dump(f"schedule still running after {bound_s:.0f}s"))
                     break
                 while pending and pending[0].at_s <= now:
                     ev = pending.pop(0)
@@ -185,14 +331,41 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                         fleet.servers[ev.target].crash(ev.arg)
                     elif ev.kind == "outage":
                         proxy.outage(ev.arg or 1.0)
-                    elif ev.target in procs and procs[ev.target].poll() is None:
-                        sig = signal.SIGTERM if ev.kind == "sigterm" else signal.SIGKILL
-                        os.killpg(procs[ev.target].pid, sig)
+                    elif ev.target in procs and not procs[ev.target].ended:
+                        p = procs[ev.target]
+                        if ev.kind == "sigterm":
+                            p.stopping(time.monotonic(), "sigterm")
+                            p.send(signal.SIGTERM)
+                        else:
+                            p.killed = True
+                            p.send(signal.SIGKILL)
                 for i, p in list(procs.items()):
-                    code = p.poll()
-                    if code is None:
+                    p.scan_log()
+                    if not p.ended:
+                        if p.stop_t is not None and not p.killed:
+                            waited = time.monotonic() - p.stop_t
+                            if waited > result.stop_bound_s and not p.slow_dumped:
+                                p.slow_dumped = True
+                                result.thread_dumps.append(p.thread_dump(
+                                    f"not ended {waited:.1f}s after its stop ({p.stop_by}; bound "
+                                    f"{result.stop_bound_s:.1f}s)"))
+                            elif waited > hang_after_stop_s:
+                                result.hung = True
+                                result.hangs.append(f"{p.name} not ended {waited:.0f}s after its stop ({p.stop_by})")
+                                result.thread_dumps.append(p.thread_dump(f"hung {waited:.0f}s after its stop"))
+                                p.killed = True  # as the supervisor would; the task is retried
+                                p.send(signal.SIGKILL)
                         continue
                     del procs[i]
+                    p.scan_log()  # a stop marker written just before the exit
+                    if p.stop_t is not None and not p.killed and p.exit_t is not None:
+                        took = p.exit_t - p.stop_t
+                        result.stops.append(round(took, 2))
+                        if took > result.stop_bound_s:
+                            result.slow_stops.append(f"{p.name} ({p.stop_by}): {took:.2f}s")
+                    code = p.popen.returncode
+                    if code == EXIT_OTHER:
+                        result.failed_tries += 1
                     if code == EXIT_DONE:
                         done[i] = True
                     else:
@@ -202,16 +375,16 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                     if time.monotonic() >= at:
                         del retry_at[i]
                         start(i)
-                time.sleep(0.1)
+                time.sleep(0.05)
             result.wall_s = round(time.monotonic() - t0, 1)
             result.requests = sum(s.stats()["generation_requests"] for s in fleet.servers)
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+            p.send(signal.SIGKILL)
+            p.popen.wait(timeout=10)
         proxy.stop()
     result.s3_faults = dict(proxy.counts)
+    _read_logs(log_dir, result)
     layout = DatasetLayout.from_uri(params["output_uri"])
     store = Store(s3_client, bucket)
     try:
@@ -226,46 +399,111 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
         for row in decode_part(got[0]).to_pylist() if got else []:
             if not row.get("error_class") and row.get("finish_reason") not in ("stop", "length"):
                 result.unfinished_stored += 1
-    result.claims_left = sum(1 for _ in store.list(layout.claims_prefix))
+    for obj in store.list(layout.claims_prefix):
+        got = store.get(obj.key)
+        c = chunk_of_key(obj.key, layout.claims_prefix)
+        if got is not None and claim_doc(got[0]).get("owner") == PEER_OWNER and c is not None \
+                and store.head(layout.part_key(c)) is not None:
+            store.delete(obj.key)  # the injected peer died holding it; its retry would delete it
+            result.peer_claims_swept += 1
+        else:
+            result.claims_left += 1
+            age = (store.server_time() - obj.last_modified).total_seconds()
+            part = c is not None and store.head(layout.part_key(c)) is not None
+            result.claims_left_detail.append(
+                f"{obj.key} etag {obj.etag} modified {obj.last_modified:%H:%M:%S} ({age:.0f}s before the check), "
+                f"part {'committed' if part else 'absent'}: {got[0].decode(errors='replace') if got else 'gone'}")
     result.wasted = result.requests - result.completions
     return result
 
 
+def _read_logs(log_dir: str, result: ChaosResult) -> None:
+    """The transition faults every try injected (SIGKILLed ones included) and any ProtocolError."""
+    counts: Counter[str] = Counter()
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                m = _FAULT_LINE.search(line)
+                if m:
+                    counts[m.group(1)] += 1
+                if "chunks.ProtocolError: " in line and len(result.protocol_errors) < 10:
+                    result.protocol_errors.append(f"{name}: {line.strip()}")
+    result.transition_faults = dict(sorted(counts.items()))
+
+
 def _worker_main(spec: dict[str, Any]) -> int:
-    """One generate task (a child process): SIGTERM asks it to stop, as tasks.generate arranges."""
+    """One generate task (a child process): SIGTERM asks it to stop, as tasks.generate arranges;
+    SIGUSR1 dumps every thread's stack into its log."""
+    from dflash_pipeline.dataset.store import StoreUnavailable, with_retries
     from dflash_pipeline.dev.stack import s3_client
     from dflash_pipeline.steps.generate import ServerLost, TaskStopped, Worker, settings_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(message)s")
+
+    def thread_names(*_: Any) -> None:
+        logger.warning("chaos-threads %s", {f"0x{t.ident:016x}": t.name for t in threading.enumerate() if t.ident})
+
+    # The Python handler logs the threads' names; faulthandler (chained, C level) dumps their stacks at
+    # once, whatever the main thread is doing.
+    signal.signal(DUMP_SIGNAL, thread_names)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=True)
     cfg = RunConfig.from_params(spec["params"])
     layout = DatasetLayout.from_uri(cfg.output_uri)
     store = Store(s3_client(spec["endpoint"]), layout.bucket)
-    manifest = json.loads(store.get(layout.manifest_key)[0])  # type: ignore[index]
     i = int(spec["map_index"])
     settings = settings_for(cfg, run_id=spec["run_id"], map_index=i, server=ServerSpec(spec["server"]["server"],
                             spec["server"]["server"]), server_info=spec["server"], try_number=int(spec["try"]),
-                            backoff_base_s=0.1, backoff_cap_s=1.0, poll_s=0.3, store_deadline_s=120.0)
-    worker = Worker(store, layout, manifest, settings)
-    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
-    # As tasks.generate: nothing to do ends the task; else wait for the server's /health first.
-    if worker.all_done():
-        return EXIT_DONE
+                            backoff_base_s=0.1, backoff_cap_s=1.0, poll_s=0.3, store_deadline_s=120.0,
+                            **spec.get("worker", {}))
+    peer_store = Store(s3_client(spec.get("direct_endpoint") or spec["endpoint"]), layout.bucket)
+    faults = TransitionFaults(TransitionRates(**spec.get("transitions", {})),
+                              seed=f"transitions:{spec.get('seed', 0)}:{i}:{spec['try']}", peer_store=peer_store,
+                              stop_grace_s=settings.stop_grace_s, try_number=int(spec["try"]))
+    # A SIGTERM before the worker exists is remembered and passed on when it is attached.
+    signal.signal(signal.SIGTERM, lambda *_: faults.request_stop("signal"))
+    # As tasks.generate: the manifest is read with retries (a try started during an S3 outage waits);
+    # nothing to do ends the task; else it waits for the server's /health first.
+    try:
+        got = with_retries(lambda: store.get(layout.manifest_key), what="manifest",
+                           deadline_s=settings.store_deadline_s, should_stop=lambda: faults.stopping)
+    except StoreUnavailable:
+        if faults.stopping:
+            return EXIT_STOPPED
+        raise
+    manifest = json.loads(got[0])  # type: ignore[index]
+    worker = Worker(store, layout, manifest, settings, transition_hook=faults)
+    faults.attach(worker)
+    try:
+        if worker.all_done():
+            return EXIT_DONE
+    except StoreUnavailable:
+        if faults.stopping:
+            return EXIT_STOPPED
+        raise
     session = new_session()
     waited = time.monotonic()
     while not check_health(session, settings.server, timeout_s=2.0):
+        if faults.stopping:
+            return EXIT_STOPPED
         if time.monotonic() - waited > cfg.server_lost_after_s:
+            logger.warning("server %s not healthy for %.0fs: lost", settings.server.name, cfg.server_lost_after_s)
             return EXIT_LOST
         time.sleep(0.5)
+    code = EXIT_OTHER
     try:
         worker.run()
+        code = EXIT_DONE
     except ServerLost:
-        return EXIT_LOST
+        code = EXIT_LOST
     except TaskStopped:
-        return EXIT_STOPPED
+        code = EXIT_STOPPED
     except Exception:  # noqa: BLE001 - a failed try; the supervisor retries it
         logger.exception("worker %s failed", settings.worker)
-        return EXIT_OTHER
-    return EXIT_DONE
+    finally:
+        # Evidence for a claim left behind: what this try still held as it ended.
+        held = [(lease.chunk, lease.state.value) for lease in worker.leases.live()]
+        logger.info("chaos-exit code=%d leases still held %s", code, held)
+    return code
 
 
 def schedule_dict(schedule: Schedule) -> dict[str, Any]:
