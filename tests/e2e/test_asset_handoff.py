@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS
 from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import decode_part
 from dflash_pipeline.dev.stack import AirflowStack
 
 pytestmark = pytest.mark.slow
@@ -58,33 +59,48 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
     output_uri = f"s3://{bucket}/ds/handoff"
     conf = {"prompts_uri": f"s3://{bucket}/p/handoff.jsonl", "output_uri": output_uri, "servers": fleet.urls,
             "save_every": 40, "tokenizer": str(qwen_tokenizer)}
+    known = airflow_stack.run_ids(CONSUMER)
     run_id = airflow_stack.trigger("dflash_generate", conf)
     assert airflow_stack.wait_run("dflash_generate", run_id, timeout_s=300) == "success"
 
-    deadline = time.monotonic() + 180
+    # the run the asset event queued, waited for to its end (not for a guessed time)
+    ended = airflow_stack.wait_new_run(CONSUMER, known, timeout_s=600)
+    assert ended["state"] == "success", (ended, airflow_stack.task_instances(CONSUMER, ended["dag_run_id"]))
     found: list[dict[str, Any]] = []
     consumer_run: dict[str, Any] = {}
-    while time.monotonic() < deadline and not found:
-        for run, summaries in _consumer_results(airflow_stack):
-            found = [s for s in summaries or [] if s.get("output_uri") == output_uri]
-            if found:
-                consumer_run = run
-                break
-        else:
-            time.sleep(2)
+    for run, summaries in _consumer_results(airflow_stack):
+        found = [s for s in summaries or [] if s.get("output_uri") == output_uri]
+        if found:
+            consumer_run = run
+            break
     assert found, f"no successful {CONSUMER} run tokenized {output_uri}"
     assert consumer_run["run_type"] == "asset_triggered"
     (summary,) = found
-    # one training row per prompt, kept unless DFlash cannot train on it (too few trained tokens)
-    assert set(summary["dropped_by_reason"]) <= {"fewer_than_min_loss_tokens"}, summary["dropped_by_reason"]
-    assert (summary["rows_in"], summary["rows_out"] + summary["rows_dropped"]) == (120, 120) and summary["rows_out"] > 100
     tis = airflow_stack.task_instances(CONSUMER, consumer_run["dag_run_id"])
     assert sorted(t.map_index for t in tis if t.task_id == "tokenize") == [0, 1, 2, 3]
 
-    # the shards: one per completions part, every row's mask on what the model generated only
+    # What each prompt's training row must train on, from the completions and the engine's own count: the
+    # generated tokens, plus the template's "\n" after <|im_end|> on a stopped turn. The sim's lengths are
+    # drawn per prompt (heavy-tailed, short at length_scale 0.05), so some turns have fewer than the
+    # DFlash minimum of trained tokens (min_loss_tokens, default 32) and only those may be dropped.
     layout = DatasetLayout.from_uri(output_uri)
     listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=layout.root + "/")["Contents"]
     completions = [o["Key"] for o in listed if o["Key"].startswith(layout.completions_prefix)]
+    loss_tokens: dict[str, int] = {}
+    for key in completions:
+        for r in decode_part(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()).to_pylist():
+            assert r["error_class"] is None, r
+            (turn,) = r["turns"]
+            loss_tokens[r["id"]] = turn["completion_tokens"] + (turn["finish_reason"] == "stop")
+    assert sorted(loss_tokens) == sorted(f"h-{i}" for i in range(120))
+    keep = {i for i, n in loss_tokens.items() if n >= DFLASH_MIN_LOSS_TOKENS}
+    # both ways through the filter (the sim's lengths are a function of the prompt, so this does not vary)
+    assert 0 < len(keep) < 120, sorted(loss_tokens.values())
+    # one training row per prompt, kept exactly when DFlash can train on it
+    assert (summary["rows_in"], summary["rows_out"], summary["rows_dropped"]) == (120, len(keep), 120 - len(keep))
+    assert summary["dropped_by_reason"] == {"fewer_than_min_loss_tokens": 120 - len(keep)}, summary
+
+    # the shards: one per completions part, every row's mask on what the model generated only
     def files(folder: str) -> list[str]:
         return sorted(o["Key"] for o in listed if o["Key"].startswith(layout.key(f"tokenized/{folder}/part-")))
 
@@ -94,9 +110,13 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
     assert any(o["Key"] == layout.dataset_card_key for o in listed)
     tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
     rows = tokens = 0
+    kept: list[str] = []
     for key in shards:
         table = pq.read_table(io.BytesIO(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read()))
-        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+        for rid, ids, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
+                                  table.column("loss_mask").to_pylist()):
+            assert sum(mask) == loss_tokens[rid], rid
+            kept.append(rid)
             text = tok.decode(ids, skip_special_tokens=False)
             trained = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
             assert text.startswith("<|im_start|>user\nhandoff question") and text.endswith(trained)
@@ -105,6 +125,7 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
             rows += 1
             tokens += len(ids)
     assert rows == summary["rows_out"] and tokens == summary["tokens"]
+    assert sorted(kept) == sorted(keep)  # each kept prompt exactly once, none lost, none wrongly dropped
     report = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.tokenized_report_key)["Body"].read())
     assert report["status"] == "complete" and report["settings"]["tokenizer"] == str(qwen_tokenizer)
     assert set(report["ids_source"]) == {"engine", "retokenized"} and report["unverified"] == 0

@@ -64,6 +64,7 @@ def _prompts(n_multi: int, n_single: int) -> list[dict[str, Any]]:
 
 def _generate(stack: AirflowStack, s3: Any, bucket: str, name: str, rows: list[dict[str, Any]], vllm: Any,
               **conf: Any) -> str:
+    known = stack.run_ids("dflash_tokenize")
     key = f"prompts/{name}.jsonl"
     s3.put_object(Bucket=bucket, Key=key, Body="".join(json.dumps(r) + "\n" for r in rows).encode())
     output_uri = f"s3://{bucket}/ds/{name}"
@@ -73,6 +74,10 @@ def _generate(stack: AirflowStack, s3: Any, bucket: str, name: str, rows: list[d
         "tokenizer": str(vllm.tokenizer_dir), "max_truncation_rate": 0.5, **conf})
     state = stack.wait_run("dflash_generate", run_id, timeout_s=900)
     assert state == "success", stack.task_instances("dflash_generate", run_id)
+    # the completions asset event queues dflash_tokenize: wait for that run to end, however long it is queued
+    consumer = stack.wait_new_run("dflash_tokenize", known, timeout_s=900)
+    assert (consumer["run_type"], consumer["state"]) == ("asset_triggered", "success"), \
+        (consumer, stack.task_instances("dflash_tokenize", consumer["dag_run_id"]))
     return output_uri
 
 
@@ -183,7 +188,7 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
         turns = sum(len(r["turns"]) for r in completions)
 
         # the asset-triggered dflash_tokenize (defaults: DFlash-ready rows) wrote every profile exactly once
-        report = _json(s3_client, bucket, layout.tokenized_report_key, timeout_s=300)
+        report = _json(s3_client, bucket, layout.tokenized_report_key)
         assert report["status"] == "complete" and report["ids_source"] == {"engine": report["rows_out"]}
         assert report["unverified"] == 0 and report["prompt_template_differs"] == 0
         assert report["rows_out"] + sum(v for k, v in report["dropped_by_reason"].items()) == turns
