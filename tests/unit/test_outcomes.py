@@ -131,3 +131,36 @@ def test_a_commit_that_never_sees_its_part_is_not_done() -> None:
     chunks = ChunkStore(_RefusingButEmpty(), lambda c: f"claims/{c}", lambda n: b"{}")  # type: ignore[arg-type]
     with pytest.raises(StoreUnavailable, match="no part is there"):
         chunks.commit("completions/part-000001.parquet", b"x", nonce="n", if_match='"e"', deadline_s=1.0)
+
+
+def test_a_stop_ends_a_store_backoff_within_one_poll() -> None:
+    """A task stopped while it waits out an S3 outage (the manifest read, the first scan) must not sleep
+    out the whole backoff: the stop has a deadline. The clock here is a fake one (no timing)."""
+    from dflash_pipeline.dataset.store import STOP_POLL_S, StoreUnavailable, with_retries
+
+    slept: list[float] = []
+    calls = 0
+
+    def failing() -> None:
+        nonlocal calls
+        calls += 1
+        raise StoreUnavailable("outage")
+
+    # the stop comes 5 polls into the first backoff (10-20 s long)
+    with pytest.raises(StoreUnavailable):
+        with_retries(failing, what="t", base_s=10.0, cap_s=30.0, deadline_s=600.0, sleep=slept.append,
+                     should_stop=lambda: len(slept) >= 5)
+    assert calls == 1 and len(slept) == 5 and sum(slept) <= 5 * STOP_POLL_S + 1e-9
+    # without should_stop the backoff is one sleep of the whole delay, as before
+    slept.clear()
+
+    def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise StoreUnavailable("outage")
+        return "ok"
+
+    calls = 0
+    assert with_retries(flaky, what="t", base_s=10.0, cap_s=30.0, deadline_s=600.0, sleep=slept.append) == "ok"
+    assert calls == 2 and len(slept) == 1 and 10.0 <= slept[0] <= 20.0

@@ -228,6 +228,10 @@ class Store:
             raise
 
 
+#: How often a backoff sleep looks at `should_stop` (with_retries).
+STOP_POLL_S = 0.1
+
+
 def with_retries(
     fn: Callable[[], T],
     *,
@@ -242,7 +246,8 @@ def with_retries(
 
     S3 outages of tens of seconds happen in long runs; a part that cannot be written yet must wait
     rather than fail the task, and the caller stops taking new work while it waits. `should_stop`
-    (a stopping task) ends the wait at the next failure: the stop path has its own deadline.
+    (a stopping task) ends the wait at the next failure or during a backoff sleep: the stop path
+    has its own deadline.
     """
     start = time.monotonic()
     attempt = 0
@@ -256,4 +261,14 @@ def with_retries(
                 raise
             delay = min(cap_s, base_s * (2 ** min(attempt, 10))) * random.uniform(0.5, 1.0)
             logger.warning("%s: S3 unavailable (%s); retry %d in %.1fs", what, exc, attempt, delay)
-            sleep(min(delay, max(0.0, deadline_s - elapsed)))
+            left = min(delay, max(0.0, deadline_s - elapsed))
+            if should_stop is None:
+                sleep(left)
+                continue
+            # A stop during the backoff ends it within STOP_POLL_S, not after the whole delay.
+            while left > 0:
+                if should_stop():
+                    raise
+                step = min(STOP_POLL_S, left)
+                sleep(step)
+                left -= step
