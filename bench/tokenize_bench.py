@@ -18,7 +18,7 @@ tokens/s of input_ids produced. The ratio is raw time / ours (above 1: faster th
 
 Memory: a child process per dataset size tokenizes a whole dataset through the real code path
 (plan → run_assignment → write_report) against a local S3 server (moto in a subprocess) and
-reports its own peak RSS (ru_maxrss), so the dataset's size should not show in it.
+reports its own peak RSS (VmHWM), so the dataset's size should not show in it.
 """
 
 from __future__ import annotations
@@ -156,7 +156,17 @@ def _rss_child(endpoint: str, output_uri: str, tok_dir: str, q: Any) -> None:
     summary = run_assignment(client, a)
     report = write_report(client, planned["datasets"][0])
     q.put({"wall_s": round(time.perf_counter() - t0, 1), "rows": report["rows_out"], "tokens": report["tokens"],
-           "written": summary["written"], "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
+           "written": summary["written"], "peak_rss_mb": _vm_hwm_mb()})
+
+
+def _vm_hwm_mb() -> int:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: Linux carries that over execve from the parent,
+    so a spawned child would report the parent's peak (the throughput part's, with every row in memory)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def memory(tok_dir: str, parts_list: list[int], rows_per_part: int) -> list[dict[str, Any]]:

@@ -171,8 +171,8 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
     tok = Tokenizer.from_file(str(vllm_server.tokenizer_dir / "tokenizer.json"))
     newline = tok.encode("\n", add_special_tokens=False).ids
     runs = {
-        "thinking": (_prompts(30, 40), {"regenerate": "all_turns"}, True),
-        "no-thinking": (_prompts(10, 60), {"enable_thinking": False}, False),
+        "thinking": (_prompts(50, 60), {"regenerate": "all_turns"}, True),
+        "no-thinking": (_prompts(10, 100), {"enable_thinking": False}, False),
     }
     checked: dict[str, Any] = {}
     for name, (rows, conf, thinking) in runs.items():
@@ -236,4 +236,6 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
         assert hf["config_names"] == ["parquet"]
         assert profile_keys("parquet", 0)["rows"].startswith("tokenized/parquet/")
     assert checked["thinking"]["later_turns"] > 0 and checked["thinking"]["noncanonical"] > 0
+    # a few hundred training rows, each checked token for token against the engine
+    assert sum(c["rows"] for c in checked.values()) >= 250, checked
     print(json.dumps(checked))

@@ -246,25 +246,32 @@ class TrainingRowBuilder:
                 b.drop = DROP_TEMPLATE
                 continue
             plans.append(_Plan(b, prompt, generated))
+        # An engine prompt is checked against the template by its text: decoding its ids costs a fraction
+        # of encoding the rendered prompt. Only a prompt whose text differs is encoded, and then compared id
+        # for id (a tokenizer whose decoder is not byte-exact, e.g. a Metaspace one, differs in text only).
+        same_text = self._prompts_decode_to(plans)
         texts: list[str] = []
-        for p in plans:
-            texts.append(p.prompt_text or "")
+        for p, same in zip(plans, same_text):
+            if not same:
+                texts.append(p.prompt_text or "")
             texts.extend(p.generated_texts)
         encoded = iter(self._encode(texts))
-        for p in plans:
+        for p, same in zip(plans, same_text):
             b, t = p.built, p.built.turn
-            rendered = np.asarray(next(encoded), dtype=np.int32)
+            rendered = None if same else np.asarray(next(encoded), dtype=np.int32)
             if b.source == IDS_ENGINE:
                 assert t.output_ids is not None
                 if t.prompt_ids is not None:
                     prompt_ids = t.prompt_ids
-                    b.template_differs = not np.array_equal(prompt_ids, rendered)
+                    b.template_differs = rendered is not None and not np.array_equal(prompt_ids, rendered)
                 else:
+                    assert rendered is not None
                     prompt_ids = rendered
                     if t.prompt_tokens is not None and len(rendered) != t.prompt_tokens:
                         b.unverified = f"prompt {len(rendered)} tokens, engine counted {t.prompt_tokens}"
                 output_ids = t.output_ids
             else:
+                assert rendered is not None
                 prompt_ids = rendered
                 candidates = [next(encoded) for _ in p.generated_texts]
                 chosen = next((c for c in candidates if len(c) == t.completion_tokens), candidates[0])
@@ -279,6 +286,19 @@ class TrainingRowBuilder:
                 b.drop = DROP_UNVERIFIED
                 continue
             self._assemble(b, prompt_ids, output_ids)
+        return out
+
+    def _prompts_decode_to(self, plans: Sequence[_Plan]) -> list[bool]:
+        """Per plan: the engine's prompt ids decode exactly to the prompt the template renders (then they
+        need no encoding here). One batch decode."""
+        todo = [i for i, p in enumerate(plans) if p.built.source == IDS_ENGINE and p.built.turn.prompt_ids is not None]
+        out = [False] * len(plans)
+        if not todo:
+            return out
+        decoded = self.tokenizer.decode_batch([plans[i].built.turn.prompt_ids.tolist() for i in todo],  # type: ignore[union-attr]
+                                              skip_special_tokens=False)
+        for i, text in zip(todo, decoded):
+            out[i] = text == plans[i].prompt_text
         return out
 
     def canonical(self, generated: Sequence[np.ndarray | None]) -> list[bool]:
