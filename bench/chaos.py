@@ -9,7 +9,8 @@ schedules faults at the chunk protocol's state transitions (delays, lost leases,
 a window, checkpoints in flight at the stop; dev/transitions.py; `--no-transitions`: none). See
 dev/chaos.py. Prints one row per schedule and the totals (wasted work, the worst stop, the
 transition faults injected); exits 1 if any schedule lost, duplicated or stored an unfinished row,
-left a claim, hung, or took longer than stop_grace_s + 1.5 s to stop. A failing schedule's thread
+left a claim, hung, took longer than stop_grace_s + 1.5 s to stop, had a try end with an unexpected
+exception or a thread logging a failure. A failing schedule's thread
 dumps and slow stops are printed under its row.
 
 Columns: stop_s = the schedule's longest stop (SIGTERM or transition-requested stop -> process exit;
@@ -45,6 +46,8 @@ def _details(r: ChaosResult) -> list[str]:
     out += [f"      slow stop: {s} (bound {r.stop_bound_s:.1f}s)" for s in r.slow_stops]
     out += [f"      protocol error: {e}" for e in r.protocol_errors]
     out += [f"      claim left: {c}" for c in r.claims_left_detail]
+    out += [f"      failed try: {f}" for f in r.failed_tries_detail]
+    out += [f"      thread error: {e}" for e in r.thread_errors]
     for dump in r.thread_dumps:
         out += ["      " + line for line in dump.splitlines()]
     return out
@@ -65,7 +68,8 @@ def main() -> int:
     ap.add_argument("--bound-s", type=float, default=300.0, help="a schedule still running after this is a hang")
     args = ap.parse_args()
     bad: list[int] = []
-    totals = {"rows": 0, "requests": 0, "wasted": 0, "stops": 0, "peer_claims": 0, "failed_tries": 0}
+    totals = {"rows": 0, "requests": 0, "wasted": 0, "stops": 0, "peer_claims": 0, "failed_tries": 0,
+              "early_sigterms": 0, "no_stop": 0}
     tfaults: Counter[str] = Counter()
     worst: tuple[float, int] = (0.0, 0)
     with MotoServer() as moto:
@@ -94,6 +98,8 @@ def main() -> int:
             totals["stops"] += len(r.stops)
             totals["peer_claims"] += r.peer_claims_swept
             totals["failed_tries"] += r.failed_tries
+            totals["early_sigterms"] += r.early_sigterms
+            totals["no_stop"] += not r.stops
             tfaults.update(r.transition_faults)
             if r.max_stop_s >= worst[0] and r.stops:
                 worst = (r.max_stop_s, seed)
@@ -111,7 +117,8 @@ def main() -> int:
           f"({totals['wasted'] / max(1, totals['rows']):.1%} of rows)")
     print(f"stops measured {totals['stops']}: worst {worst[0]:.2f}s (seed {worst[1]}); bound "
           f"{STOP_GRACE_S + STOP_MARGIN_S:g}s (stop_grace_s {STOP_GRACE_S:g} + {STOP_MARGIN_S:g}); "
-          f"tries failed with an exception {totals['failed_tries']}")
+          f"tries failed with an exception {totals['failed_tries']}; schedules without a measured stop "
+          f"{totals['no_stop']}; SIGTERMs before a child's handler was in (not measured) {totals['early_sigterms']}")
     print(f"transition faults injected: {dict(sorted(tfaults.items())) or 'none'}; "
           f"injected peer's claims swept at the end {totals['peer_claims']}")
     return 1 if bad else 0

@@ -175,31 +175,16 @@ def generate(
             return worker.run()
 
 
-@contextmanager
-def _stop_on_sigterm(request_stop: Callable[[], None]) -> Iterator[None]:
+def _stop_on_sigterm(request_stop: Callable[[], None]) -> Any:
     """SIGTERM (a task cleared or marked failed in the UI or over REST, a pod eviction, a Celery warm
     shutdown) asks the worker to stop: it commits what is complete, saves finished rows and releases
-    its claims within its stop grace (3 s), before the supervisor's SIGKILL 5 s later. The task
-    runner's own handler (it calls `on_kill`) still runs."""
-    import signal
-    import threading
+    its claims within its stop grace (3 s), before the supervisor's SIGKILL 5 s later. The request is
+    made from a thread of its own, never inside the signal handler (stopsignal.py: a handler that sets
+    an Event can deadlock the main thread). The task runner's own handler (it calls `on_kill`) still
+    runs."""
+    from dflash_pipeline.steps.generate.stopsignal import SignalStop
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum: int, frame: Any) -> None:
-        logger.warning("SIGTERM: stopping the worker (saving finished rows, releasing claims)")
-        request_stop()
-        if callable(previous):
-            previous(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return SignalStop(request_stop)
 
 
 def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | None = None) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def test_random_fault_schedule_ends_exact(i: int, moto_server: Any, bucket: str,
     assert not r.slow_stops, \
         f"seed {seed}: stops over {r.stop_bound_s:.1f}s: {r.slow_stops} (logs {r.log_dir})\n{dumps}"
     assert not r.protocol_errors, f"seed {seed}: {r.protocol_errors} (logs {r.log_dir})"
+    assert not r.failed_tries and not r.thread_errors, \
+        f"seed {seed}: {r.failed_tries_detail} {r.thread_errors} (logs {r.log_dir})"
+    assert r.stops, f"seed {seed}: no stop was measured (every schedule has one) (logs {r.log_dir})"
     assert (r.missing, r.duplicated, r.unfinished_stored, r.claims_left) == (0, 0, 0, 0), f"seed {seed}: {r}"
     assert r.rows == schedule.n_prompts, f"seed {seed}: {r}"
 

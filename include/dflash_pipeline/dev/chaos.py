@@ -70,6 +70,8 @@ HANG_AFTER_STOP_S = 20.0
 #: The child dumps every thread's stack (faulthandler) into its log on this signal.
 DUMP_SIGNAL = signal.SIGUSR1
 DUMP_WAIT_S = 1.0
+#: The child logs this once its stop handler is in.
+READY_MARK = "chaos-ready"
 _DUMP_LINE = re.compile(r'^(Current thread|Thread) 0x[0-9a-f]+|^  File "|^  <no Python frame>|chaos-threads ')
 _FAULT_LINE = re.compile(rf"{FAULT_MARK} kind=(\w+)")
 _STOP_LINE = re.compile(rf"{STOP_MARK} by=(\w+) t=([0-9.]+)")
@@ -140,6 +142,8 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
     sc = Schedule(seed, rng.randint(300, 700), rng.choice([25, 50, 100]), n_servers, s3, servers, events)
     if transitions and not s3_only:
         sc.transitions = TransitionRates.draw(random.Random(f"chaos-transitions:{seed}"), always=always_transitions)
+        if not any(e.kind == "sigterm" for e in events):
+            sc.transitions = sc.transitions.with_certain_stop()  # every schedule measures a stop
     return sc
 
 
@@ -162,8 +166,14 @@ class ChaosResult:
     requests: int = 0
     wasted: int = 0
     tries: int = 0
-    #: Tries that ended with an unexpected exception (exit 1); the supervisor retried them.
+    #: Tries that ended with an unexpected exception (exit 1): a schedule failure (the supervisor would
+    #: retry them, but no injected fault should raise anything but ServerLost or TaskStopped).
     failed_tries: int = 0
+    failed_tries_detail: list[str] = field(default_factory=list)
+    #: SIGTERMs that reached a process before its stop handler was in (they end it; not measured).
+    early_sigterms: int = 0
+    #: Errors a worker's threads logged ("the ... thread failed"), a schedule failure.
+    thread_errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     hung: bool = False
     hangs: list[str] = field(default_factory=list)
@@ -184,7 +194,8 @@ class ChaosResult:
     @property
     def ok(self) -> bool:
         return not self.hung and self.missing == 0 and self.duplicated == 0 and self.unfinished_stored == 0 \
-            and self.claims_left == 0 and self.rows > 0 and not self.slow_stops and not self.protocol_errors
+            and self.claims_left == 0 and self.rows > 0 and not self.slow_stops and not self.protocol_errors \
+            and self.failed_tries == 0 and not self.thread_errors
 
 
 def _prompts(n: int, seed: int) -> bytes:
@@ -208,6 +219,7 @@ class _Proc:
         self.stop_by = ""
         self.killed = False  # SIGKILLed by the runner: its stop, if any, is not measured
         self.slow_dumped = False
+        self.ready = False  # the child logged READY_MARK: its stop handler is in
         self._log_offset = 0
         self._log_rest = b""
         threading.Thread(target=self._wait, name=f"wait-w{index}", daemon=True).start()
@@ -249,9 +261,23 @@ class _Proc:
         lines = (self._log_rest + data).split(b"\n")
         self._log_rest = lines.pop()
         for raw in lines:
+            if READY_MARK.encode() in raw:
+                self.ready = True
             m = _STOP_LINE.search(raw.decode(errors="replace"))
             if m and m.group(1) == "transition":
                 self.stopping(time.monotonic() - max(0.0, time.time() - float(m.group(2))), "transition")
+
+    def last_error(self) -> str:
+        """The last exception line of the child's log (what ended a failed try)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return "?"
+        starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last):")]
+        if not starts:
+            return "no traceback in the log"
+        return next((ln for ln in lines[starts[-1] + 1:] if ln and not ln[0].isspace()), "?")
 
     def thread_dump(self, why: str) -> str:
         """Ask the child for every thread's stack and return it (from its log)."""
@@ -334,7 +360,11 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                     elif ev.target in procs and not procs[ev.target].ended:
                         p = procs[ev.target]
                         if ev.kind == "sigterm":
-                            p.stopping(time.monotonic(), "sigterm")
+                            p.scan_log()
+                            if p.ready:  # before its handler is in, a SIGTERM just ends the process
+                                p.stopping(time.monotonic(), "sigterm")
+                            else:
+                                result.early_sigterms += 1
                             p.send(signal.SIGTERM)
                         else:
                             p.killed = True
@@ -345,7 +375,10 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                         if p.stop_t is not None and not p.killed:
                             waited = time.monotonic() - p.stop_t
                             if waited > result.stop_bound_s and not p.slow_dumped:
+                                # recorded now: a SIGKILL event may end the process before it exits
                                 p.slow_dumped = True
+                                result.slow_stops.append(f"{p.name} ({p.stop_by}): not ended {waited:.2f}s after "
+                                                         "its stop")
                                 result.thread_dumps.append(p.thread_dump(
                                     f"not ended {waited:.1f}s after its stop ({p.stop_by}; bound "
                                     f"{result.stop_bound_s:.1f}s)"))
@@ -361,11 +394,12 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                     if p.stop_t is not None and not p.killed and p.exit_t is not None:
                         took = p.exit_t - p.stop_t
                         result.stops.append(round(took, 2))
-                        if took > result.stop_bound_s:
+                        if took > result.stop_bound_s and not p.slow_dumped:
                             result.slow_stops.append(f"{p.name} ({p.stop_by}): {took:.2f}s")
                     code = p.popen.returncode
                     if code == EXIT_OTHER:
                         result.failed_tries += 1
+                        result.failed_tries_detail.append(f"{p.name}: {p.last_error()}")
                     if code == EXIT_DONE:
                         done[i] = True
                     else:
@@ -428,6 +462,8 @@ def _read_logs(log_dir: str, result: ChaosResult) -> None:
                     counts[m.group(1)] += 1
                 if "chunks.ProtocolError: " in line and len(result.protocol_errors) < 10:
                     result.protocol_errors.append(f"{name}: {line.strip()}")
+                if " thread failed: " in line and len(result.thread_errors) < 10:
+                    result.thread_errors.append(f"{name}: {line.strip()}")
     result.transition_faults = dict(sorted(counts.items()))
 
 
@@ -437,6 +473,7 @@ def _worker_main(spec: dict[str, Any]) -> int:
     from dflash_pipeline.dataset.store import StoreUnavailable, with_retries
     from dflash_pipeline.dev.stack import s3_client
     from dflash_pipeline.steps.generate import ServerLost, TaskStopped, Worker, settings_for
+    from dflash_pipeline.steps.generate.stopsignal import SignalStop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(message)s")
 
@@ -459,8 +496,10 @@ def _worker_main(spec: dict[str, Any]) -> int:
     faults = TransitionFaults(TransitionRates(**spec.get("transitions", {})),
                               seed=f"transitions:{spec.get('seed', 0)}:{i}:{spec['try']}", peer_store=peer_store,
                               stop_grace_s=settings.stop_grace_s, try_number=int(spec["try"]))
-    # A SIGTERM before the worker exists is remembered and passed on when it is attached.
-    signal.signal(signal.SIGTERM, lambda *_: faults.request_stop("signal"))
+    # A SIGTERM before the worker exists is remembered and passed on when it is attached. As in
+    # tasks.generate, the stop is requested from a thread of its own, not inside the handler.
+    SignalStop(lambda: faults.request_stop("signal"), chain=False).__enter__()
+    logger.info(READY_MARK)
     # As tasks.generate: the manifest is read with retries (a try started during an S3 outage waits);
     # nothing to do ends the task; else it waits for the server's /health first.
     try:

@@ -9,19 +9,25 @@ lease transition, outside the locks) that, drawn from the schedule's seed:
 
 - `delay`: sleeps after a transition, in whichever thread made it (up to `delay_max_s`; main's
   sleeps at most half the stop grace, see below);
-- `lose`: loses the lease as a peer would make us lose it, at CLAIMED->OPEN/REPAIRING (before main
-  sees the chunk), OPEN/REPAIRING->QUEUED, QUEUED->COMMITTING and COMMITTING->COMMITTED (committed,
-  claim not yet released). A "peer" overwrites the claim with its own body and nonce; half the time
-  it then deletes it again (a peer that took over and was stopped: our renewal meets a 404 instead
-  of a 412). The lease is then made due and `LeaseKeeper.renew_due(wait=True)` runs: the renewal is
-  refused and a working lease moves to TAKEN_OVER (a QUEUED/COMMITTING one stays: committed anyway,
-  chunks.py invariant 3). The peer's writes go straight to the S3 server, not through the fault
-  front, so the loss itself is never lost. A peer claim left on a committed chunk is the claim of a
-  peer that died holding it; the runner deletes those at the end as that peer's retry would
-  (dev/chaos.py counts them apart from the workers' own claims);
+- `lose`: loses the lease as a peer would make us lose it, at CLAIMED->OPEN (before main sees the
+  chunk), OPEN->QUEUED, QUEUED->COMMITTING and COMMITTING->COMMITTED (committed, claim not yet
+  released); the REPAIRING windows are listed too but a chaos run never repairs. A "peer" overwrites
+  the claim with its own body and nonce; half the time it then deletes it again (a peer that took
+  over and was stopped: our renewal meets a 404 instead of a 412). The lease is then made due and
+  renewed at once: in the claimer's and committer's windows that thread waits for the renewal, so
+  a working lease moves to TAKEN_OVER there and then (`lose_landed`), unless the renewal meets an
+  S3 fault or one was already in flight (`lose_deferred`: it lands at a later tick, the chunk open);
+  a QUEUED/COMMITTING lease stays (committed anyway, chunks.py invariant 3); main does not wait
+  (its window's state is not changed by a loss, and a wait on S3 would eat its stop grace). The
+  peer's writes go straight to the S3 server, not through the fault front, so the loss itself is
+  never lost. A peer claim left on a committed chunk is the claim of a peer that died holding it;
+  the runner deletes those at the end as that peer's retry would (dev/chaos.py counts them apart
+  from the workers' own claims);
 - `stop`: a try (the first two of each task) requests its own stop at the k-th occurrence of one
   transition, exactly in that window (the call the SIGTERM handler makes), and sometimes stays in
-  the window a moment; logged with the wall-clock time so the runner measures the stop;
+  the window a moment; logged with the wall-clock time so the runner measures the stop. A schedule
+  without a SIGTERM event gets `stop_first`: each task's first try stops at its first CLAIMED->OPEN
+  or OPEN->QUEUED, so every schedule measures a stop;
 - `stop_delay_s`: main sleeps at its first move to RELEASED once the stop began (the hand-back of
   everything it holds is late);
 - `slow_checkpoint_s`: every checkpoint's PUT is held (inside the checkpoint's per-chunk lock) up to
@@ -88,10 +94,17 @@ class TransitionRates:
     stop_delay_s: float = 0.0
     slow_checkpoint_s: float = 0.0
     checkpoint_every_s: float = 60.0
+    #: The stop is certain and early: each task's first try stops at its first CLAIMED->OPEN or
+    #: OPEN->QUEUED (a schedule without a SIGTERM event still measures a stop).
+    stop_first: bool = False
 
     @property
     def any(self) -> bool:
         return any((self.delay, self.lose, self.stop, self.stop_delay_s, self.slow_checkpoint_s))
+
+    def with_certain_stop(self) -> TransitionRates:
+        """These faults, plus an early stop in each task's first try (module docstring)."""
+        return TransitionRates(**{**asdict(self), "stop": 1.0, "stop_first": True})
 
     @classmethod
     def draw(cls, rng: random.Random, *, always: bool = False) -> TransitionRates:
@@ -121,14 +134,14 @@ class TransitionRates:
         if self.lose:
             parts.append(f"lose {self.lose:.0%}")
         if self.stop:
-            parts.append(f"stop {self.stop:.0%}")
+            parts.append("stop first" if self.stop_first else f"stop {self.stop:.0%}")
         if self.stop_delay_s:
             parts.append(f"stop-delay {self.stop_delay_s:.1f}s")
         if self.slow_checkpoint_s:
             parts.append(f"ckpt {self.checkpoint_every_s:.1f}s/{self.slow_checkpoint_s:.1f}s")
         return "T " + " ".join(parts)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | bool]:
         return asdict(self)
 
 
@@ -177,9 +190,13 @@ class TransitionFaults:
             worker.request_stop()
         if self.rates.slow_checkpoint_s > 0:
             worker.partials.store = _SlowCheckpoints(worker.partials.store, self)
-        if self.rates.stop > 0 and self.try_number <= 2 and self._draw() < self.rates.stop:
+        tries = 1 if self.rates.stop_first else 2
+        if self.rates.stop > 0 and self.try_number <= tries and self._draw() < self.rates.stop:
             with self._lock:
-                self._stop_at = (self._rng.choice(STOP_WINDOWS), self._rng.randint(1, 3))
+                if self.rates.stop_first:
+                    self._stop_at = (self._rng.choice(STOP_WINDOWS[:2]), 1)
+                else:
+                    self._stop_at = (self._rng.choice(STOP_WINDOWS), self._rng.randint(1, 3))
             (frm, to), k = self._stop_at
             logger.info("%s plan: stop at occurrence %d of %s->%s", FAULT_MARK, k, frm.value, to.value)
 
@@ -239,7 +256,7 @@ class TransitionFaults:
     # -- the faults -------------------------------------------------------------------------------
     def _lose(self, worker: Worker, lease: Lease, to: State, role: str, where: str) -> None:
         """A peer takes the claim over (and, half the time, releases it again): our next renewal is
-        refused. The renewal is made due and run now, so the loss lands in this very window."""
+        refused. The renewal is made due and run now (module docstring: where the loss lands)."""
         key = worker.chunks.claim_key(lease.chunk)
         nonce = uuid.uuid4().hex
         body = json.dumps({"owner": PEER_OWNER, "worker": PEER_OWNER, "nonce": nonce, "renewal": 0}).encode()
@@ -256,8 +273,14 @@ class TransitionFaults:
             return  # committed and no longer renewed: the release meets the peer's claim (or none)
         with lease.lock:
             lease.last_renewed_t = 0.0
-        # Main, stopping, does not wait on S3 here (its sleeps and waits are within the grace budget).
-        worker.keeper.renew_due(wait=not (role == "main" and self.stopping))
+        # The claimer's and committer's windows wait for the refused renewal, so the loss lands in the
+        # window. Main never waits on S3 here: its moves (OPEN->QUEUED) are to states a loss does not
+        # change (committed anyway, chunks.py invariant 3), and a wait would eat the stop's grace.
+        worker.keeper.renew_due(wait=role != "main")
+        if to in (S.OPEN, S.REPAIRING):
+            # Seen from the lease: taken over now, or (an S3 fault on the renewal, or a renewal already
+            # in flight) at a later tick, while the chunk is open.
+            self._count("lose_landed" if lease.gone else "lose_deferred", where)
 
     def _sleep(self, role: str, seconds: float, kind: str, where: str) -> None:
         """Sleep `seconds`; main's sleeps once stopping end at its budget (module docstring)."""

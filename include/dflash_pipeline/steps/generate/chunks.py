@@ -50,16 +50,20 @@ Invariants (what makes a row exactly once and a run never hang):
 5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
    finished rows as partials every `checkpoint_every_s`) and leaves claims that expire after
    `lease_s` (the task's own retry takes them back at once).
-   SIGTERM / an exception: one absolute deadline (the stop grace). The committer commits complete
-   chunks until half of it; then main owns every lease left and, for all chunks at once, saves the
+   SIGTERM / an exception: one absolute deadline (the stop grace after the request; it also bounds
+   the end of a run that completes as the stop arrives). The committer commits complete chunks
+   until half the time left when the stop path starts; then main owns every lease left and, for all
+   chunks at once, saves the
    finished rows (of open, queued and committing chunks) as partials and releases the claims
    (conditional delete, so a late owner never deletes a peer's claim). An S3 that does not answer
    in time costs those rows, never the deadline; the claims then expire with their lease. A claim
    the claimer completes after the stop began it releases itself.
 6. Partials only carry results for good (finished completions, permanent errors); rows of any other
    kind found in one (older code) are redone. Writes of one chunk's partial are serialized
-   (handback.PartialWriter): a checkpoint still in flight can never land after, and overwrite,
-   the fuller partial the stop path saves.
+   (handback.PartialWriter): within a process, a checkpoint still in flight can never land after,
+   and overwrite, the fuller partial the stop path saves. Across processes it can (a checkpoint PUT
+   slowed past a lost lease lands after the new owner's save): that costs work redone, never a row,
+   since a partial only seeds a chunk's results and the part is what counts.
 7. Every renewal writes new bytes (a renewal counter in the claim), so its ETag changes: a peer's
    take-over or the sweep's conditional delete based on a listing older than our last renewal
    is refused (with identical bytes S3 would keep the ETag and let it through).

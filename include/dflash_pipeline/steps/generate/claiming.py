@@ -75,6 +75,9 @@ class Claimer:
         self._thread = threading.Thread(target=self._run, name="claimer", daemon=True)
         # Claims whose chunk could not be loaded yet (S3 unavailable): kept, renewed, retried.
         self._unopened: deque[tuple[Lease, bool]] = deque()
+        # Main takes the parked claims over at the stop (release_parked) while this thread may still be
+        # in a step (given up on, not joined): every access to the deque is under this lock.
+        self._parked_lock = threading.Lock()
         self._last_scan: tuple[float, tuple[set[int], dict[int, ObjectInfo], set[int]]] | None = None
         self._own_stale: set[int] | None = None
         self._ours_ever = False
@@ -97,7 +100,8 @@ class Claimer:
         return self._thread.is_alive()
 
     def has_parked(self) -> bool:
-        return bool(self._unopened)
+        with self._parked_lock:
+            return bool(self._unopened)
 
     def lookahead_s(self) -> float:
         """Seconds of work to keep claimed ahead: enough to cover a claim's round trips (with
@@ -210,7 +214,8 @@ class Claimer:
             return self._open_claimed(lease, repairing)
         except StoreUnavailable as exc:
             logger.warning("chunk %d: could not load it yet (%s); keeping the claim and retrying", lease.chunk, exc)
-            self._unopened.append((lease, repairing))
+            with self._parked_lock:
+                self._unopened.append((lease, repairing))
             return None
 
     def _release_claimed(self, lease: Lease) -> None:
@@ -331,17 +336,16 @@ class Claimer:
         if failing is not None and time.monotonic() - failing >= self.settings.handoff_after_s:
             # The server is failing: parked claims go to the fleet with the open chunks (main
             # hands those back; these are the claimer's own).
-            while self._unopened:
-                lease, _ = self._unopened.popleft()
-                if not lease.gone:
-                    self._release_claimed(lease)
-        while self._unopened:
-            lease, repairing = self._unopened[0]
+            while (item := self._pop_parked()) is not None:
+                if not item[0].gone:
+                    self._release_claimed(item[0])
+        while (item := self._first_parked()) is not None:
+            lease, repairing = item
             if lease.gone:
-                self._unopened.popleft()
+                self._drop_parked(lease)
                 continue
             chunk = self._open_claimed(lease, repairing)  # StoreUnavailable: stays parked
-            self._unopened.popleft()
+            self._drop_parked(lease)
             if chunk is not None:
                 return chunk
         if self.stop_event.is_set() or not self._demand(self.lookahead_s()):
@@ -353,12 +357,27 @@ class Claimer:
         took = time.monotonic() - started
         # Quick to rise, slow to fall: one slow claim raises the lookahead at once.
         self._claim_latency_s = max(took, 0.8 * self._claim_latency_s + 0.2 * took)
-        if chunk is None and self._unopened:
+        if chunk is None and self.has_parked():
             return False
         return chunk
 
     def release_parked(self) -> list[Lease]:
         """Stopping (the thread has ended or been given up on): the parked claims, for main to release."""
-        leases = [lease for lease, _ in self._unopened if not lease.gone]
-        self._unopened.clear()
+        with self._parked_lock:
+            leases = [lease for lease, _ in self._unopened if not lease.gone]
+            self._unopened.clear()
         return leases
+
+    def _first_parked(self) -> tuple[Lease, bool] | None:
+        with self._parked_lock:
+            return self._unopened[0] if self._unopened else None
+
+    def _pop_parked(self) -> tuple[Lease, bool] | None:
+        with self._parked_lock:
+            return self._unopened.popleft() if self._unopened else None
+
+    def _drop_parked(self, lease: Lease) -> None:
+        """Remove `lease` if it is still first (main may have taken every parked claim meanwhile)."""
+        with self._parked_lock:
+            if self._unopened and self._unopened[0][0] is lease:
+                self._unopened.popleft()

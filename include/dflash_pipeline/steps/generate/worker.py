@@ -472,16 +472,32 @@ class Worker:
     def _end_normally(self) -> None:
         """The dataset is complete. The claimer may be releasing a chunk it claimed from a stale
         listing just as the dataset completed: let it finish (its S3 calls are bounded), then
-        release anything still held; raise any thread's error (none is lost at the end)."""
+        release anything still held; raise any thread's error (none is lost at the end).
+
+        A stop requested meanwhile bounds all of it by the stop's deadline (`stop_grace_s` after the
+        request): the joins end, and each release gets only the time left (a claim whose release
+        does not finish expires, and a later scan sweeps it: the dataset is complete either way)."""
         s = self.settings
-        self.claimer.join(timeout_s=min(120.0, s.store_deadline_s))
+
+        def left(cap_s: float, started: float) -> float:
+            return max(0.0, min(started + cap_s, self._stop_deadline()) - time.monotonic())
+
+        def join(thread: Claimer | Committer, cap_s: float) -> None:
+            started = time.monotonic()
+            while thread.alive and left(cap_s, started) > 0:
+                thread.join(timeout_s=min(0.1, left(cap_s, started)))
+
+        join(self.claimer, min(120.0, s.store_deadline_s))
         self.committer.stop()
-        self.committer.join(timeout_s=60)
+        join(self.committer, 60.0)
         self.leases.give_up_owner = "main"
-        for lease in [*self.claimer.release_parked(), *self.leases.live()]:
-            if lease.state is not State.COMMITTING and self.leases.move(lease, State.RELEASED, "main"):
-                self.chunks.release(lease, deadline_s=30.0)
-        self.keeper.stop()
+        jobs: list[Job] = [(lease, []) for lease in [*self.claimer.release_parked(), *self.leases.live()]
+                           if lease.state is not State.COMMITTING and self.leases.move(lease, State.RELEASED, "main")]
+        if jobs:  # in parallel, each bounded by the deadline (re-read: a stop arriving shortens it)
+            started = time.monotonic()
+            hand_back(jobs, partials=self.partials, chunks=self.chunks,
+                      deadline=lambda: min(started + 30.0, self._stop_deadline()))
+        self.keeper.stop(timeout_s=left(5.0, time.monotonic()))
         for err in (self.committer.error, self.claimer.error, self.keeper.error):
             if err is not None:
                 raise err
@@ -531,6 +547,12 @@ class Worker:
                 jobs.append((lease, []))
         self._hand_off("stopping", jobs, deadline)
         self.keeper.stop(timeout_s=max(0.0, deadline() - time.monotonic()))
+        # run() raises what made it give up; an error another thread met on the way is logged here,
+        # never dropped.
+        for name, err in (("committer", self.committer.error), ("claimer", self.claimer.error),
+                          ("lease keeper", self.keeper.error)):
+            if err is not None:
+                logger.error("worker %s: the %s thread failed: %r", s.worker, name, err, exc_info=err)
         if self._stop_requested.is_set():
             logger.info("stop of worker %s took %.2fs (grace %.1fs)", s.worker,
                         time.monotonic() - (self._stop_requested_t or started), s.stop_grace_s)
