@@ -12,7 +12,9 @@ create (or If-Match when repairing), so no id can appear twice; leases only avoi
 
 Threads and what they own (each shared thing has one owner object with a narrow interface):
 - main (this module): `pending`, `in_flight`, an open chunk's `results` / `requeues` /
-  `checkpointed`, the moves OPEN/REPAIRING -> QUEUED/RELEASED, checkpoints, hand-offs, the stop.
+  `checkpointed`, the moves OPEN/REPAIRING -> QUEUED/RELEASED, checkpoints, hand-offs; the end of
+  a run through `Closer` (stopping.py: the normal end and the bounded give-up).
+- StopRequest (stopping.py): whether and when a stop was asked, its absolute deadline.
 - Ledger (ledger.py): where each chunk is (offered, open, queued, failed); every thread changes
   it only through its methods.
 - claimer (claiming.py, `Claimer`): claims, CLAIMED and the moves out of it, parked claims; it
@@ -70,7 +72,7 @@ from dflash_pipeline.steps.generate.chunks import (
 from dflash_pipeline.steps.generate.claiming import Claimer
 from dflash_pipeline.steps.generate.committing import Committer
 from dflash_pipeline.steps.generate.failing import ServerHealth
-from dflash_pipeline.steps.generate.handback import PartialWriter, hand_back
+from dflash_pipeline.steps.generate.handback import PartialWriter
 from dflash_pipeline.steps.generate.ledger import Ledger
 from dflash_pipeline.steps.generate.outcomes import error_row
 from dflash_pipeline.steps.generate.pool import DaemonPool, RequestPool
@@ -78,6 +80,7 @@ from dflash_pipeline.steps.generate.requesting import do_request
 from dflash_pipeline.steps.generate.scan import Scanner
 from dflash_pipeline.steps.generate.settings import WorkerSettings
 from dflash_pipeline.steps.generate.snapshot import progress_snapshot
+from dflash_pipeline.steps.generate.stopping import Closer, Job, StopRequest
 from dflash_pipeline.steps.generate.state import (
     MAX_REQUEUES,
     OpenChunk,
@@ -90,9 +93,6 @@ from dflash_pipeline.steps.generate.state import (
 )
 
 logger = logging.getLogger(__name__)
-
-Job = tuple[Lease, list[dict[str, Any]]]
-
 
 class Worker:
     """Drives one server until every chunk of the dataset is committed (by anyone)."""
@@ -129,13 +129,16 @@ class Worker:
         self.scanner = Scanner(store, layout, s, self.n_chunks, self.leases, self._io)
         self.partials = PartialWriter(store, layout)
         self.health = ServerHealth(s, session_factory, probe_every_s=max(0.2, min(1.0, s.handoff_after_s / 4)))
-        self._stop_requested = threading.Event()
-        self._stop_requested_t: float | None = None
+        self.stop = StopRequest(s.stop_grace_s)
         self.claimer = Claimer(store=store, layout=layout, settings=s, manifest=manifest, leases=self.leases,
                                chunks=self.chunks, ledger=self.ledger, scanner=self.scanner, io=self._io,
                                demand=self._demand, failing_since=self.health.failing_since, count=self._count)
         self.committer = Committer(store=store, layout=layout, settings=s, leases=self.leases, chunks=self.chunks,
                                    ledger=self.ledger, scanner=self.scanner, count=self._count)
+        self.closer = Closer(settings=s, stop=self.stop, claimer=self.claimer, committer=self.committer,
+                             ledger=self.ledger, leases=self.leases, keeper=self.keeper, chunks=self.chunks,
+                             partials=self.partials, finish_chunk=self._finish_chunk, take_open=self._take_open,
+                             count=self._count)
         # main's own
         self.pending: deque[tuple[OpenChunk, dict[str, Any]]] = deque()
         self.in_flight = 0
@@ -161,20 +164,14 @@ class Worker:
                 else 2 * self._full_chunk + 4 * max(s.concurrency, self._limit()))
 
     def request_stop(self) -> None:
-        """Ask the worker to stop (from a signal handler): it saves, commits and releases within
-        `stop_grace_s`, then raises TaskStopped from run()."""
-        if self._stop_requested_t is None:
-            self._stop_requested_t = time.monotonic()
-        self._stop_requested.set()
+        """Ask the worker to stop (from the stop-signal watcher thread, stopsignal.py): it saves,
+        commits and releases within `stop_grace_s`, then raises TaskStopped from run()."""
+        self.stop.request()
         self.claimer.stop()
-
-    def _stop_deadline(self) -> float:
-        t = self._stop_requested_t
-        return float("inf") if t is None else t + self.settings.stop_grace_s
 
     def all_done(self) -> bool:
         """Every chunk committed and nothing left to repair, as S3 says now (stray claims swept)."""
-        return self.scanner.all_done(should_stop=self._stop_requested.is_set)
+        return self.scanner.all_done(should_stop=self.stop.event.is_set)
 
     _all_done = all_done  # the name tasks and tests used before the split
 
@@ -185,7 +182,7 @@ class Worker:
     # -- request thread ----------------------------------------------------------------------
     def _do_request(self, session: Any, item: tuple[OpenChunk, dict[str, Any]]) -> Outcome:
         """Never raises (requesting.py): whatever happens becomes this row's outcome."""
-        return do_request(self.settings, self._stop_requested, session, item)
+        return do_request(self.settings, self.stop.event, session, item)
 
     def _error_row(self, out: Outcome) -> dict[str, Any]:
         assert out.failure is not None
@@ -217,7 +214,7 @@ class Worker:
         """The claimer's question: claim more now? While the prompts ready to send cover less than
         the in-flight limit plus `ahead_s` of work, and the rows held stay under the cap; never
         while the server is failing or the worker stopping."""
-        if self.health.failing or self._stop_requested.is_set():
+        if self.health.failing or self.stop.requested:
             return False
         ready = len(self.pending) + self.ledger.offered_prompts()
         want = self._limit() + int(self._rate() * ahead_s)
@@ -279,7 +276,7 @@ class Worker:
         else:
             f = out.failure
             if f is None:  # stopped before any answer: not a result
-                if not self._stop_requested.is_set():
+                if not self.stop.requested:
                     self.pending.appendleft((chunk, out.prompt))
                 return
             if f.kind == "config":
@@ -319,7 +316,7 @@ class Worker:
             why = f"server {s.server.name} failing for {down_for:.0f}s"
             jobs = self._take_open(keep_errors=True)
             t0 = time.monotonic()
-            self._hand_off(why, jobs, lambda: min(t0 + 30.0, self._stop_deadline()))
+            self.closer.hand_off(why, jobs, lambda: min(t0 + 30.0, self.stop.deadline()))
         if down_for >= s.server_lost_after_s:
             raise ServerLost(
                 f"server {s.server.name} lost: no generation for {down_for:.0f}s "
@@ -344,13 +341,6 @@ class Worker:
             jobs.append((lease, rows if chunk.base_rows is None else []))
         return jobs
 
-    def _hand_off(self, why: str, jobs: list[Job], deadline: Callable[[], float]) -> None:
-        saved = hand_back(jobs, partials=self.partials, chunks=self.chunks, deadline=deadline)
-        if jobs:
-            self._count("handoffs", len(jobs))
-            logger.warning("%s: released %d unfinished chunk(s) to the other servers (%d finished rows saved)",
-                           why, len(jobs), saved)
-
     def _checkpoint(self) -> None:
         """Save the finished rows of each open chunk that gained some since its last save, as its
         partial (the rows a hand-off would save), in the background: a SIGKILL then costs only the
@@ -367,7 +357,7 @@ class Worker:
                 continue
             chunk.checkpointed = len(chunk.results)
             self.partials.checkpoint(chunk.index, rows, deadline_s=min(60.0, self.settings.checkpoint_every_s),
-                                     should_stop=self._stop_requested.is_set)
+                                     should_stop=self.stop.event.is_set)
 
     def _progress_interval(self) -> float:
         """Seconds between snapshots: a tenth of the time run so far, within [first_s, every_s]."""
@@ -394,7 +384,7 @@ class Worker:
         for err in (self.committer.error, self.claimer.error, self.keeper.error):
             if err is not None:
                 raise err
-        if self._stop_requested.is_set():
+        if self.stop.requested:
             raise TaskStopped(f"worker {self.settings.worker} stopped from outside")
 
     def run(self) -> dict[str, Any]:
@@ -419,11 +409,11 @@ class Worker:
                     self._fill(pool)
                 if self.in_flight == 0 and not self.pending:
                     if self.health.failing:
-                        self._stop_requested.wait(0.1)
+                        self.stop.wait(0.1)
                         continue
                     if self.ledger.has_offered() or not self.claimer.idle.is_set() or self.claimer.has_parked():
                         self.claimer.wake.set()
-                        self._stop_requested.wait(0.02)
+                        self.stop.wait(0.02)
                         continue
                     self._wait_commits()
                     if not self.ledger.has_open() and not self.ledger.has_offered() \
@@ -431,7 +421,7 @@ class Worker:
                         break
                     self.claimer.idle.clear()
                     self.claimer.wake.set()
-                    self._stop_requested.wait(s.poll_s)
+                    self.stop.wait(s.poll_s)
                     continue
                 try:
                     item = pool.out.get(timeout=0.5 if not self.health.failing else 0.1)
@@ -452,14 +442,14 @@ class Worker:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
         except BaseException as exc:
-            self._give_up(keep_errors=not isinstance(exc, ServerBroken))
+            self.closer.give_up(keep_errors=not isinstance(exc, ServerBroken))
             self._io.close()
             raise
         finally:
             self.claimer.stop()
             self.concurrency.stop()
             pool.close()
-        self._end_normally()
+        self.closer.end_normally()
         self._io.close()
         self._progress(force=True)
         result = self.stats.to_dict()
@@ -469,90 +459,7 @@ class Worker:
         logger.info("worker %s done: %s", s.worker, result)
         return result
 
-    def _end_normally(self) -> None:
-        """The dataset is complete. The claimer may be releasing a chunk it claimed from a stale
-        listing just as the dataset completed: let it finish (its S3 calls are bounded), then
-        release anything still held; raise any thread's error (none is lost at the end).
-
-        A stop requested meanwhile bounds all of it by the stop's deadline (`stop_grace_s` after the
-        request): the joins end, and each release gets only the time left (a claim whose release
-        does not finish expires, and a later scan sweeps it: the dataset is complete either way)."""
-        s = self.settings
-
-        def left(cap_s: float, started: float) -> float:
-            return max(0.0, min(started + cap_s, self._stop_deadline()) - time.monotonic())
-
-        def join(thread: Claimer | Committer, cap_s: float) -> None:
-            started = time.monotonic()
-            while thread.alive and left(cap_s, started) > 0:
-                thread.join(timeout_s=min(0.1, left(cap_s, started)))
-
-        join(self.claimer, min(120.0, s.store_deadline_s))
-        self.committer.stop()
-        join(self.committer, 60.0)
-        self.leases.give_up_owner = "main"
-        jobs: list[Job] = [(lease, []) for lease in [*self.claimer.release_parked(), *self.leases.live()]
-                           if lease.state is not State.COMMITTING and self.leases.move(lease, State.RELEASED, "main")]
-        if jobs:  # in parallel, each bounded by the deadline (re-read: a stop arriving shortens it)
-            started = time.monotonic()
-            hand_back(jobs, partials=self.partials, chunks=self.chunks,
-                      deadline=lambda: min(started + 30.0, self._stop_deadline()))
-        self.keeper.stop(timeout_s=left(5.0, time.monotonic()))
-        for err in (self.committer.error, self.claimer.error, self.keeper.error):
-            if err is not None:
-                raise err
-
     def _wait_commits(self) -> None:
         while self.ledger.committing() > 0:
             self._raise_thread_errors()
-            self._stop_requested.wait(0.05)
-
-    def _give_up(self, keep_errors: bool = True) -> None:
-        """Stop by one absolute deadline (`stop_grace_s` after a stop request, else at least 30 s;
-        a SIGTERM during a long give-up shortens it to the stop grace).
-
-        Order and owners: the claimer stops first (a claim it completes after this it releases
-        itself); complete open chunks are queued; the committer commits queued chunks until half
-        the time left, then takes no more; then main owns every lease left (`give_up_owner`) and
-        hands back, all at once, the chunks not committed (complete ones first, then open ones'
-        finished rows) and parked claims. A commit still in flight when main releases its lease may
-        still land: invariant 1 keeps the part exact, and a partial left beside a part is swept
-        at the end of a later run."""
-        s = self.settings
-        started = time.monotonic()
-        grace = s.stop_grace_s if self._stop_requested.is_set() else max(s.stop_grace_s, 30.0)
-
-        def deadline() -> float:
-            return min(started + grace, self._stop_deadline())
-
-        self.claimer.stop()
-        self.claimer.join(timeout_s=min(0.5, grace / 6, deadline() - time.monotonic()))
-        for chunk in self.ledger.open_chunks():
-            if chunk.complete and not chunk.dropped and chunk.lease is not None \
-                    and chunk.lease.state in (State.OPEN, State.REPAIRING):
-                self._finish_chunk(chunk)
-        until = started + (deadline() - started) * 0.5
-        self.committer.stop(until=until)
-        self.committer.join(timeout_s=until - time.monotonic())
-        self.leases.give_up_owner = "main"
-        jobs: list[Job] = []
-        for chunk in self.ledger.take_queued():  # complete, not committed: all rows become a partial
-            lease = chunk.lease
-            if lease is not None and lease.state in (State.QUEUED, State.COMMITTING) \
-                    and self.leases.move(lease, State.RELEASED, "main"):
-                jobs.append((lease, list(chunk.results.values()) if chunk.base_rows is None else []))
-        jobs.extend(self._take_open(keep_errors=keep_errors))
-        for lease in [*self.claimer.release_parked(), *self.leases.live()]:  # parked, or claimed late
-            if self.leases.move(lease, State.RELEASED, "main"):
-                jobs.append((lease, []))
-        self._hand_off("stopping", jobs, deadline)
-        self.keeper.stop(timeout_s=max(0.0, deadline() - time.monotonic()))
-        # run() raises what made it give up; an error another thread met on the way is logged here,
-        # never dropped.
-        for name, err in (("committer", self.committer.error), ("claimer", self.claimer.error),
-                          ("lease keeper", self.keeper.error)):
-            if err is not None:
-                logger.error("worker %s: the %s thread failed: %r", s.worker, name, err, exc_info=err)
-        if self._stop_requested.is_set():
-            logger.info("stop of worker %s took %.2fs (grace %.1fs)", s.worker,
-                        time.monotonic() - (self._stop_requested_t or started), s.stop_grace_s)
+            self.stop.wait(0.05)
