@@ -251,13 +251,17 @@ def tokenize_prepare(params: dict[str, Any], triggering_asset_events: Any) -> li
     cfg = tokenize_config(params)
     events = triggering_asset_events.get(completions_asset(), []) if triggering_asset_events else []
     extras = handoff.extras_from_events(events)
+    from_events = bool(extras)
     if not extras and cfg.output_uri:
         extras = [{"output_uri": cfg.output_uri}]
     if not extras:
         raise AirflowFailException("no dflash_completions asset event and no output_uri param: nothing to tokenize")
     client = s3_client(cfg.aws_conn_id)
     with _fail_fast():
-        checked = [handoff.check_handoff(client, extra) for extra in extras]
+        # Events may name datasets deleted since (skipped, with a warning); an output_uri asked for by
+        # hand must exist.
+        checked = (handoff.check_events(client, extras) if from_events
+                   else [handoff.check_handoff(client, extra) for extra in extras])
         planned = plan(client, [c["output_uri"] for c in checked], cfg)
     return [dict(a, datasets=planned["datasets"]) for a in planned["assignments"]]
 

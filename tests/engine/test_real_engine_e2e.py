@@ -75,10 +75,20 @@ def _generate(stack: AirflowStack, s3: Any, bucket: str, name: str, rows: list[d
     state = stack.wait_run("dflash_generate", run_id, timeout_s=900)
     assert state == "success", stack.task_instances("dflash_generate", run_id)
     # the completions asset event queues dflash_tokenize: wait for that run to end, however long it is queued
-    consumer = stack.wait_new_run("dflash_tokenize", known, timeout_s=900)
+    layout = DatasetLayout.from_uri(output_uri)
+
+    def ours(run: dict[str, Any]) -> bool:  # the run that tokenized this dataset (or failed on it)
+        return (run["state"] == "failed" and stack.run_logs_mention("dflash_tokenize", run["dag_run_id"], output_uri)) \
+            or _exists(s3, bucket, layout.tokenized_report_key)
+
+    consumer = stack.wait_new_run("dflash_tokenize", known, timeout_s=900, ours=ours)
     assert (consumer["run_type"], consumer["state"]) == ("asset_triggered", "success"), \
         (consumer, stack.task_instances("dflash_tokenize", consumer["dag_run_id"]))
     return output_uri
+
+
+def _exists(s3: Any, bucket: str, key: str) -> bool:
+    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
 
 
 def _json(s3: Any, bucket: str, key: str, timeout_s: float = 0) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from dflash_pipeline.config import ConfigError
 from dflash_pipeline.dataset.layout import DatasetLayout
-from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.dataset.store import Store, StoreConfigError, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ HEADLINE_KEYS = (
 
 class HandoffError(ConfigError):
     """The asset event does not point at a usable, validated dataset."""
+
+
+class DatasetGone(HandoffError):
+    """The dataset an event names no longer exists (its bucket or its manifest is gone)."""
 
 
 def event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,6 +74,23 @@ def extras_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def check_events(client: Any, extras: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`check_handoff` for each event of one consumer run. A run may carry several events, some of
+    datasets deleted since (a bucket emptied after a trial run): those are skipped with a warning, so
+    they do not stop the others being tokenized. Any other problem, or every dataset gone, raises."""
+    checked: list[dict[str, Any]] = []
+    gone: list[str] = []
+    for extra in extras:
+        try:
+            checked.append(check_handoff(client, extra))
+        except DatasetGone as exc:
+            logger.warning("skipping an asset event whose dataset is gone: %s", exc)
+            gone.append(str(exc))
+    if not checked:
+        raise DatasetGone(f"every dataset the asset events name is gone: {gone}")
+    return checked
+
+
 def check_handoff(client: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
     """Verify that the dataset an event names is there and validated: manifest, report, counts agree."""
     output_uri = extra.get("output_uri")
@@ -79,9 +100,14 @@ def check_handoff(client: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
     store = Store(client, layout.bucket)
     manifest_key = str(extra.get("manifest_key") or layout.manifest_key)
     report_key = str(extra.get("report_key") or layout.report_key)
-    got_manifest = with_retries(lambda: store.get(manifest_key), what="read manifest")
+    try:
+        got_manifest = with_retries(lambda: store.get(manifest_key), what="read manifest")
+    except StoreConfigError as exc:
+        if "NoSuchBucket" in str(exc):
+            raise DatasetGone(f"s3://{layout.bucket}/ does not exist: {exc}") from exc
+        raise
     if got_manifest is None:
-        raise HandoffError(f"s3://{layout.bucket}/{manifest_key} does not exist")
+        raise DatasetGone(f"s3://{layout.bucket}/{manifest_key} does not exist")
     got_report = with_retries(lambda: store.get(report_key), what="read report")
     if got_report is None:
         raise HandoffError(f"s3://{layout.bucket}/{report_key} does not exist")

@@ -618,6 +618,11 @@ class AirflowStack:
                 raise TimeoutError(f"run {dag_id}/{run_id} still {state} after {timeout_s} s")
             time.sleep(poll_s)
 
+    def run_logs_mention(self, dag_id: str, run_id: str, text: str) -> bool:
+        """Whether any task log of the run contains `text` (e.g. which dataset a failed run was about)."""
+        logs = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+        return logs.is_dir() and any(text in p.read_text(errors="replace") for p in logs.rglob("*.log"))
+
     def run_ids(self, dag_id: str) -> set[str]:
         """The ids of the DAG's runs so far (up to 1000)."""
         resp = self.rest("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"limit": 1000})
@@ -625,21 +630,25 @@ class AirflowStack:
             raise StackError(f"GET dagRuns {dag_id}: HTTP {resp.status_code} {resp.text[:500]}")
         return {str(r["dag_run_id"]) for r in resp.json()["dag_runs"]}
 
-    def wait_new_run(self, dag_id: str, known: set[str], timeout_s: float = 900.0, *, poll_s: float = 2.0) -> dict[str, Any]:
+    def wait_new_run(self, dag_id: str, known: set[str], timeout_s: float = 900.0, *, poll_s: float = 2.0,
+                     ours: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """Wait for a run of `dag_id` not in `known` (one the scheduler creates, e.g. asset-triggered) to end;
         return it. A downstream DAG's timing depends on the scheduler and the machine's load, so tests wait
-        for the run itself rather than for one of its outputs to appear within a guessed time."""
+        for the run itself rather than for one of its outputs to appear within a guessed time. On a shared
+        stack an earlier test's asset event may queue a run too: `ours(run)` (asked once a run has ended)
+        tells the caller's run apart; others are passed over."""
+        known = set(known)
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
             resp = self.rest("GET", f"/api/v2/dags/{dag_id}/dagRuns", params={"limit": 1000})
             new = [r for r in resp.json().get("dag_runs", []) if r["dag_run_id"] not in known] \
                 if resp.status_code == 200 else []
-            ended = [r for r in new if str(r.get("state")) in TERMINAL_RUN_STATES]
-            if ended:
-                run = dict(ended[0])
+            for run in (dict(r) for r in new if str(r.get("state")) in TERMINAL_RUN_STATES):
                 log.info("run %s/%s (%s) finished: %s", dag_id, run["dag_run_id"], run.get("run_type"), run["state"])
-                return run
+                if ours is None or ours(run):
+                    return run
+                known.add(str(run["dag_run_id"]))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no new {dag_id} run ended within {timeout_s} s; new runs: "
                                    f"{[(r['dag_run_id'], r.get('state')) for r in new]}")
