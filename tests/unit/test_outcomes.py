@@ -164,3 +164,30 @@ def test_a_stop_ends_a_store_backoff_within_one_poll() -> None:
     calls = 0
     assert with_retries(flaky, what="t", base_s=10.0, cap_s=30.0, deadline_s=600.0, sleep=slept.append) == "ok"
     assert calls == 2 and len(slept) == 1 and 10.0 <= slept[0] <= 20.0
+
+
+def test_a_body_cut_short_or_failing_its_checksum_is_a_retryable_store_error() -> None:
+    """A GET whose body breaks off or fails botocore's checksum check (chaos seed 2065: the claimer died
+    on a raw FlexibleChecksumError reading a claim) is StoreUnavailable, which every caller retries."""
+    from botocore.exceptions import FlexibleChecksumError, ResponseStreamingError
+
+    from dflash_pipeline.dataset.store import Store, StoreUnavailable
+
+    class Body:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def read(self) -> bytes:
+            raise self.exc
+
+    class Client:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def get_object(self, **kwargs: object) -> dict[str, object]:
+            return {"Body": Body(self.exc), "ETag": '"e"', "ResponseMetadata": {}}
+
+    for exc in (FlexibleChecksumError(error_msg="Expected checksum g/DIaw== did not match calculated checksum"),
+                ResponseStreamingError(error="connection reset")):
+        with pytest.raises(StoreUnavailable, match=type(exc).__name__):
+            Store(Client(exc), "b").get("k")

@@ -139,7 +139,19 @@ class Store:
             if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise
-        return resp["Body"].read(), resp["ETag"]
+        return self._read_body(resp, key), resp["ETag"]
+
+    @staticmethod
+    def _read_body(resp: dict[str, Any], key: str) -> bytes:
+        """The whole body. A body cut short or not matching its checksum (the connection dropped mid-read,
+        a truncated transfer) is StoreUnavailable, retried like any failed request, never a raw botocore
+        error that ends the calling thread."""
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return bytes(resp["Body"].read())
+        except (BotoCoreError, OSError) as exc:
+            raise StoreUnavailable(f"S3 reading {key}: {type(exc).__name__}: {exc}") from exc
 
     def open(self, key: str, *, if_match: str | None = None) -> Any:
         """A streaming body (file-like, `.read(n)` and line iteration) for large inputs; with
