@@ -65,6 +65,8 @@ STOP_GRACE_S = 3.0
 #: process: the signal reaching Python's main thread, the interpreter's exit, and this runner's
 #: 50 ms poll. 3 + 1.5 = 4.5 s leaves half a second before the supervisor's SIGKILL.
 STOP_MARGIN_S = 1.5
+#: A SIGTERM event at or after this (seconds into the schedule) reaches a child whose handler is in.
+SURE_SIGTERM_S = 2.0
 #: A process still alive this long after a stop is hung: dumped, counted, SIGKILLed.
 HANG_AFTER_STOP_S = 20.0
 #: The child dumps every thread's stack (faulthandler) into its log on this signal.
@@ -142,8 +144,11 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
     sc = Schedule(seed, rng.randint(300, 700), rng.choice([25, 50, 100]), n_servers, s3, servers, events)
     if transitions and not s3_only:
         sc.transitions = TransitionRates.draw(random.Random(f"chaos-transitions:{seed}"), always=always_transitions)
-        if not any(e.kind == "sigterm" for e in events):
-            sc.transitions = sc.transitions.with_certain_stop()  # every schedule measures a stop
+        # Every schedule measures a stop: unless a SIGTERM comes once the tasks are surely running (one
+        # before ~1.5 s can land before a child's handler is in, and just ends it), each task's first
+        # try stops itself early.
+        if not any(e.kind == "sigterm" and e.at_s >= SURE_SIGTERM_S for e in events):
+            sc.transitions = sc.transitions.with_certain_stop()
     return sc
 
 

@@ -26,7 +26,7 @@ lease transition, outside the locks) that, drawn from the schedule's seed:
 - `stop`: a try (the first two of each task) requests its own stop at the k-th occurrence of one
   transition, exactly in that window (the call the SIGTERM handler makes), and sometimes stays in
   the window a moment; logged with the wall-clock time so the runner measures the stop. A schedule
-  without a SIGTERM event gets `stop_first`: each task's first try stops at its first CLAIMED->OPEN
+  without a SIGTERM event from 2 s on gets `stop_first`: each task's first try stops at its first CLAIMED->OPEN
   or OPEN->QUEUED, so every schedule measures a stop;
 - `stop_delay_s`: main sleeps at its first move to RELEASED once the stop began (the hand-back of
   everything it holds is late);
@@ -95,7 +95,7 @@ class TransitionRates:
     slow_checkpoint_s: float = 0.0
     checkpoint_every_s: float = 60.0
     #: The stop is certain and early: each task's first try stops at its first CLAIMED->OPEN or
-    #: OPEN->QUEUED (a schedule without a SIGTERM event still measures a stop).
+    #: OPEN->QUEUED (a schedule without a SIGTERM event from 2 s on still measures a stop).
     stop_first: bool = False
 
     @property
