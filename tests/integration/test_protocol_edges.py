@@ -20,6 +20,7 @@ from dflash_pipeline.dev.stack import s3_client as make_client
 from dflash_pipeline.dev.stack.s3 import MOTO_ACCESS_KEY, MOTO_SECRET_KEY
 from dflash_pipeline.steps.generate import TaskStopped
 from dflash_pipeline.steps.generate.chunks import ChunkStore, Lease, claim_body
+from dflash_pipeline.steps.generate.worker import Worker
 
 
 @pytest.fixture
@@ -188,3 +189,26 @@ def test_a_claim_left_between_commit_and_release_is_swept_by_the_next_try(s3_cli
     run.store.put(run.layout.claim_key(1), peers, content_type="application/json", metadata={"nonce": "n2"})
     assert w._all_done()
     assert run.claims_left() == [run.layout.claim_key(1)], "ours swept at once, the peer's (not expired) kept"
+
+
+@pytest.mark.timeout(120)
+def test_the_sweep_deletes_an_earlier_tries_claim_through_refused_deletes(proxy: S3FaultProxy, s3_client: Any,
+                                                                          bucket: str, sim_fleet: Any) -> None:
+    """The end-of-run sweep is the only thing that deletes an earlier try's claim of a committed
+    chunk before it expires (peers wait for expiry, and may have ended): S3 answering its first
+    conditional DELETEs 409 / 503 (both "retry") must not leave the claim behind (chaos seed 3008
+    ended with one such claim). Fails when the sweep gives a claim up on one refused request."""
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
+    assert isinstance(run.run_all([run.worker(0)])[0], dict)
+    via_proxy = make_client(proxy.url)
+    w = Worker(Store(via_proxy, bucket), run.layout, run.manifest, run.settings(0, try_number=2))
+    ours = claim_body(w.settings.owner, "w0000", "s", w.settings.run_id, 1)("n1")
+    run.store.put(run.layout.claim_key(1), ours, content_type="application/json", metadata={"nonce": "n1"})
+    claim_re = r"/claims/chunk-000001"
+    refused = [proxy.add_rule(method="DELETE", key_regex=claim_re, status=409, code="ConditionalRequestConflict",
+                              times=2),
+               proxy.add_rule(method="DELETE", key_regex=claim_re, status=503, code="SlowDown", times=4)]
+    assert w._all_done()
+    assert run.claims_left() == [], "the earlier try's claim was left behind after refused deletes"
+    assert sum(r.hits for r in refused) == 6, "the fault front did not refuse the sweep's deletes"

@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import (
+    KeyGone,
     ObjectInfo,
     PreconditionFailed,
     Store,
@@ -29,6 +30,8 @@ from dflash_pipeline.steps.generate.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 Scan = tuple[set[int], dict[int, ObjectInfo], set[int]]
+#: How long the end-of-run sweep retries one claim's delete through transient S3 failures.
+SWEEP_RETRY_S = 20.0
 
 
 class Scanner:
@@ -145,31 +148,51 @@ class Scanner:
         )
         finished = not repair and len(done & set(range(self.n_chunks))) == self.n_chunks
         if finished:
-            self._sweep_stale_claims(done, claims)
+            self._sweep_stale_claims(done, claims, should_stop)
         return finished
 
-    def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo]) -> None:
+    def _sweep_one(self, info: ObjectInfo, expired: bool) -> bool:
+        """Delete one stale claim: if expired, the listed version; else only our earlier try's."""
+        if not expired:
+            got = self.store.get(info.key)
+            if got is None or got[1] != info.etag or claim_doc(got[0]).get("owner") != self.settings.owner:
+                return False
+        try:
+            self.store.delete(info.key, if_match=info.etag)
+        except KeyGone:
+            return False  # deleted meanwhile (a peer's sweep, or our own first send whose answer was lost)
+        return True
+
+    def _sweep_stale_claims(self, done: set[int], claims: dict[int, ObjectInfo], should_stop: Any = None) -> None:
         """Delete claims of committed chunks nobody needs: expired ones (a task SIGKILLed after
         claiming a chunk a peer had just committed), and at once those an earlier try of this very
         task left (SIGKILLed between its commit and its release; the claim document names the
         owner, so "is it ours?" is read from S3). If-Match the listed ETag, so a claim renewed or
-        retaken meanwhile is left alone (every renewal changes the ETag: chunks.py invariant 7)."""
+        retaken meanwhile is left alone (every renewal changes the ETag: chunks.py invariant 7).
+
+        Each check and delete is retried on a transient failure (503, a 409 ConditionalRequestConflict)
+        for up to SWEEP_RETRY_S: the claim of an earlier try of ours is deleted by nobody else (a peer
+        waits for it to expire, and a peer that has already ended never will), so giving it up on
+        one refused request would leave it behind for good (chaos seed 3008)."""
         now = self.store.server_time()
         for c, info in claims.items():
             if c not in done or self.leases.held(c):
                 continue
             expired = (now - info.last_modified).total_seconds() > self.settings.lease_s
+            if not expired and self.settings.try_number <= 1:
+                continue
             try:
-                if not expired:
-                    if self.settings.try_number <= 1:
-                        continue
-                    got = self.store.get(info.key)
-                    if got is None or got[1] != info.etag or claim_doc(got[0]).get("owner") != self.settings.owner:
-                        continue
-                self.store.delete(info.key, if_match=info.etag)
+                deleted = with_retries(lambda info=info, expired=expired: self._sweep_one(info, expired),
+                                       what=f"sweep claim of chunk {c}", deadline_s=SWEEP_RETRY_S,
+                                       should_stop=should_stop)
+            except PreconditionFailed:
+                continue  # renewed or retaken since the listing: a live claim, not ours to delete
+            except StoreUnavailable as exc:
+                logger.warning("could not delete the stale claim of committed chunk %d (%s); it stays until a "
+                               "later try or run sweeps it, harmless to the data", c, exc)
+                continue
+            if deleted:
                 logger.info("deleted the %s claim of committed chunk %d", "expired" if expired else "earlier try's", c)
-            except (PreconditionFailed, StoreUnavailable):
-                pass
         # A partial outlives its chunk's commit when the stop path saved it while a commit was in
         # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
         try:
