@@ -212,3 +212,34 @@ def test_the_sweep_deletes_an_earlier_tries_claim_through_refused_deletes(proxy:
     assert w._all_done()
     assert run.claims_left() == [], "the earlier try's claim was left behind after refused deletes"
     assert sum(r.hits for r in refused) == 6, "the fault front did not refuse the sweep's deletes"
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_a_complete_run_releases_its_claims_ends_within_the_grace(
+        proxy: S3FaultProxy, s3_client: Any, bucket: str, sim_fleet: Any) -> None:
+    """The dataset is complete and the worker's normal end releases a claim it still holds (one its
+    claimer took from a stale listing as the last part landed) while S3 holds the DELETE: a SIGTERM
+    then must end the task within `stop_grace_s` (the supervisor SIGKILLs it soon after), the
+    release's wait re-read from the stop's deadline. Fails when the normal end's releases wait out
+    their own 30 s bound whatever the stop says."""
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
+    assert isinstance(run.run_all([run.worker(0)])[0], dict)
+    w = Worker(Store(make_client(proxy.url), bucket), run.layout, run.manifest,
+               run.settings(0, try_number=2, stop_grace_s=2.0))
+    lease = w.chunks.claim(0, None, deadline_s=10.0)
+    assert lease is not None
+    w.leases.add(lease)
+    held = proxy.add_rule(method="DELETE", key_regex=r"/claims/chunk-000000", delay_s=10.0, times=1)
+    t = threading.Thread(target=w.closer.end_normally, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while held.hits == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert held.hits == 1, "the normal end did not release the claim it held"
+    stopped_at = time.monotonic()
+    w.request_stop()
+    t.join(timeout=30)
+    took = time.monotonic() - stopped_at
+    assert not t.is_alive()
+    assert took < 2.0 + 1.0, f"the normal end took {took:.1f}s after the stop with a 2 s grace"
