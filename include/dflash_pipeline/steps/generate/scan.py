@@ -30,7 +30,7 @@ from dflash_pipeline.steps.generate.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 Scan = tuple[set[int], dict[int, ObjectInfo], set[int]]
-#: How long the end-of-run sweep retries one claim's delete through transient S3 failures.
+#: How long the end-of-run sweep, all claims together, retries through transient S3 failures.
 SWEEP_RETRY_S = 20.0
 
 
@@ -171,10 +171,13 @@ class Scanner:
         retaken meanwhile is left alone (every renewal changes the ETag: chunks.py invariant 7).
 
         Each check and delete is retried on a transient failure (503, a 409 ConditionalRequestConflict)
-        for up to SWEEP_RETRY_S: the claim of an earlier try of ours is deleted by nobody else (a peer
-        waits for it to expire, and a peer that has already ended never will), so giving it up on
-        one refused request would leave it behind for good (chaos seed 3008)."""
+        until SWEEP_RETRY_S after the sweep began, or a stop (one deadline for all claims: an outage
+        at the end delays the task by that much at most, then each claim gets one try). The claim of
+        an earlier try of ours is deleted by nobody else (a peer waits for it to expire, and a peer
+        that has already ended never will), so giving it up on one refused request would leave it
+        behind for good (chaos seed 3008)."""
         now = self.store.server_time()
+        until = time.monotonic() + SWEEP_RETRY_S
         for c, info in claims.items():
             if c not in done or self.leases.held(c):
                 continue
@@ -183,8 +186,8 @@ class Scanner:
                 continue
             try:
                 deleted = with_retries(lambda info=info, expired=expired: self._sweep_one(info, expired),
-                                       what=f"sweep claim of chunk {c}", deadline_s=SWEEP_RETRY_S,
-                                       should_stop=should_stop)
+                                       what=f"sweep claim of chunk {c}",
+                                       deadline_s=max(0.0, until - time.monotonic()), should_stop=should_stop)
             except PreconditionFailed:
                 continue  # renewed or retaken since the listing: a live claim, not ours to delete
             except StoreUnavailable as exc:
