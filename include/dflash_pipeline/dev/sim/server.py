@@ -995,6 +995,7 @@ class SimServer:
         self._stopped = False
         self._ready_at = 0.0
         self._gen_since_start = 0
+        self._gen_after_restart = 0
         self._crashes = 0
         self._restarts = 0
         self.created_t = time.time()
@@ -1180,6 +1181,8 @@ class SimServer:
             "ready": self.ready(),
             "crashes": self._crashes,
             "restarts": self._restarts,
+            # Generation requests received after a restart: > 0 means clients came back to it.
+            "generation_requests_after_restart": self._gen_after_restart,
             "url": self.url,
             "scheduler_wakeups": self._sched.wakeups,
         })
@@ -1214,6 +1217,8 @@ class SimServer:
         with self._sched.cv:
             self._sched.stats["generation_requests"] += 1
             self._gen_since_start += 1
+            if self._restarts:
+                self._gen_after_restart += 1
             limit = self.config.crash_after_requests
             return limit is not None and self._gen_since_start >= limit
 
