@@ -43,9 +43,9 @@ def test_transient_faults_are_retried(s3_client, bucket, sim_fleet, name, knobs,
 
 
 def test_server_crashes_and_comes_back(s3_client, bucket, sim_fleet) -> None:
-    # 900 prompts (~300 per server): the first crash comes early in server 0's
-    # share, so the run outlasts the 1.5 s restart by far; with 300 a crash late in the run could
-    # end it before the restart (CI saw restarts 0 once).
+    # 900 prompts (~300 per server): the first crash comes early in server 0's share, so the run
+    # outlasts the 1.5 s restart by far; with 300 a crash late in the run could end it before the
+    # restart (CI saw restarts 0 once).
     fleet = sim_fleet(3, **COMMON)
     fleet.servers[0].update_config(crash_after_requests=40, restart_after_s=1.5)
     res = run_scenario("crash-and-back", "crash after 40 requests (again every 40), back after 1.5 s",
