@@ -33,7 +33,7 @@ from dflash_pipeline.dataset.prompts import (
     iter_prompt_file,
     normalize_row,
 )
-from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 
 DEFAULT_SALT = "dflash-heldout"
 
@@ -199,14 +199,23 @@ def write_heldout(store: Store, layout: DatasetLayout, split: HeldoutSplit, writ
                   count: int) -> dict[str, Any] | None:
     """Write the held-out prompts (before the manifest, whose entry points at them); None without a split.
 
-    The bytes are a function of the input and the split, so a retried or racing plan rewrites the same
-    object; `named_not_found` counts ids of the held-out file the input did not have (or had only as a
+    The bytes are a function of the input and the split, so a retried or racing plan of the same split
+    finds the same object; one of another split is refused; `named_not_found` counts ids of the held-out file the input did not have (or had only as a
     duplicate of an earlier row, whose content is then in the training data: see the README)."""
     data = writer.finish()
     if not split.active:
         return None
-    with_retries(lambda: store.put(layout.heldout_prompts_key, data, content_type="application/gzip"),
-                 what="write held-out prompts")
+    key = layout.heldout_prompts_key
+    try:  # If-None-Match: a racing plan of another split must not replace the file its manifest names
+        with_retries(lambda: store.put(key, data, if_none_match=True, content_type="application/gzip"),
+                     what="write held-out prompts")
+    except PreconditionFailed:
+        got = with_retries(lambda: store.get(key), what="read held-out prompts")
+        if got is not None and got[0] != data:
+            raise HeldoutError(
+                f"s3://{layout.bucket}/{key} already holds other held-out prompts (another plan of this root with "
+                "another split, or one that stopped before writing its manifest). Use a new output_uri, or delete "
+                "that object if no manifest.json names it") from None
     found = set(writer.ids)
     return {
         "fraction": split.fraction,

@@ -384,7 +384,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     if stats.accepted == 0:
         raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read, "
                         f"{stats.heldout} held out)")
-    heldout_entry = write_heldout(out_store, layout, split, heldout, stats.heldout)
+    try:
+        heldout_entry = write_heldout(out_store, layout, split, heldout, stats.heldout)
+    except HeldoutError as exc:
+        raise PlanError(str(exc)) from exc
 
     manifest = {
         "format": MANIFEST_FORMAT,
