@@ -193,15 +193,38 @@ class Scanner:
             except StoreUnavailable as exc:
                 logger.warning("could not delete the stale claim of committed chunk %d (%s); it stays until a "
                                "later try or run sweeps it, harmless to the data", c, exc)
+                if should_stop is not None and should_stop():
+                    return  # stopping: the sweep is abandoned, a later try or run does it
                 continue
             if deleted:
                 logger.info("deleted the %s claim of committed chunk %d", "expired" if expired else "earlier try's", c)
-        # A partial outlives its chunk's commit when the stop path saved it while a commit was in
-        # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
+        self._sweep_partials(done, until, should_stop)
+
+    def _sweep_partials(self, done: set[int], until: float, should_stop: Any = None) -> None:
+        """Delete the partials of committed chunks. A partial outlives its chunk's commit when the stop
+        path saved it while a commit was in flight, or a hand-off raced one: the part is what counts,
+        the partial is only clutter. Each object is retried on its own through transient failures
+        until `until` (the sweep's one deadline) or a stop; one refused delete never ends the sweep
+        (before, the first 503 left every partial behind)."""
+        left = lambda: max(0.0, until - time.monotonic())  # noqa: E731
         try:
-            for obj in self.store.list(self.layout.partials_prefix):
-                c = chunk_of_key(obj.key, self.layout.partials_prefix)
-                if c is not None and c in done and not self.leases.held(c):
-                    self.store.delete(obj.key, if_match=obj.etag)
-        except (PreconditionFailed, StoreUnavailable):
-            pass
+            listed = with_retries(lambda: list(self.store.list(self.layout.partials_prefix)),
+                                  what="list partials", deadline_s=left(), should_stop=should_stop)
+        except StoreUnavailable as exc:
+            logger.warning("could not list the partials to sweep (%s); a later run sweeps them", exc)
+            return
+        for obj in listed:
+            c = chunk_of_key(obj.key, self.layout.partials_prefix)
+            if c is None or c not in done or self.leases.held(c):
+                continue
+            try:
+                with_retries(lambda obj=obj: self.store.delete(obj.key, if_match=obj.etag),
+                             what=f"sweep partial of chunk {c}", deadline_s=left(), cap_s=1.0,
+                             should_stop=should_stop)
+            except PreconditionFailed:
+                continue  # rewritten or deleted since the listing: not the object we listed
+            except StoreUnavailable as exc:
+                logger.warning("could not delete the stale partial of committed chunk %d (%s); a later run "
+                               "sweeps it, harmless to the data", c, exc)
+                if should_stop is not None and should_stop():
+                    return
