@@ -444,7 +444,7 @@ class LeaseKeeper:
             started.append(t)
         if wait:
             for t in started:
-                t.join()
+                t.join(timeout=60.0)  # a renewal's calls end within min(30 s, every_s) each
 
     def _renew_one(self, lease: Lease) -> None:
         try:

@@ -269,14 +269,14 @@ class Claimer:
         part_f = self._io.submit(self.store.head, self.layout.part_key(c))
         partial_f = self._io.submit(self.store.get, self.layout.partial_key(c))
         got = self.store.get(self.layout.input_key(self.plan_id, c))
-        if part_f.result() is not None:
+        if part_f.result() is not None:  # bounded: the claimer's thread, which main gives up on at the stop
             self.scanner.mark_done(c)
             self._release_claimed(lease)
             return None
         if got is None:
             raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
         chunk = OpenChunk(c, lease, decode_inputs(got[0]))
-        partial = partial_f.result()
+        partial = partial_f.result()  # bounded: the claimer's thread, which main gives up on at the stop
         if partial is not None:
             ids = {unit_key(p) for p in chunk.prompts}
             for row in decode_part(partial[0]).to_pylist():

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import (
@@ -28,10 +30,26 @@ from dflash_pipeline.steps.generate.pool import DaemonPool
 from dflash_pipeline.steps.generate.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Scan = tuple[set[int], dict[int, ObjectInfo], set[int]]
 #: How long the end-of-run sweep, all claims together, retries through transient S3 failures.
 SWEEP_RETRY_S = 20.0
+
+
+def _background(fn: Callable[[], T]) -> Future[T]:
+    """`fn` on a daemon thread of its own (the task never waits for it at exit)."""
+    fut: Future[T] = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="scan-claims", daemon=True).start()
+    return fut
 
 
 class Scanner:
@@ -67,7 +85,9 @@ class Scanner:
 
     def scan(self, fresh_markers: bool = False) -> Scan:
         """(committed chunks, claims of chunks, chunks to repair). The two listings run at once."""
-        claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
+        # On a thread of its own, not the shared S3 pool: main waits for it, and a pool busy with the
+        # claimer's reads would make main wait for those too, past any stop.
+        claims_f = _background(lambda: list(self.store.list(self.layout.claims_prefix)))
         prefix = self.layout.completions_prefix
         with self._lock:
             done = set(self._done)
@@ -84,7 +104,7 @@ class Scanner:
             self._lowest_unfinished = max(self._lowest_unfinished, low)
             done = set(self._done)
         claims: dict[int, ObjectInfo] = {}
-        for obj in claims_f.result():
+        for obj in claims_f.result():  # bounded: its own thread, each page a call of the (stop-bound) store
             c = chunk_of_key(obj.key, self.layout.claims_prefix)
             if c is not None:
                 claims[c] = obj
