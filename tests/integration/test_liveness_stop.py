@@ -110,6 +110,51 @@ def test_a_stop_never_waits_for_slow_s3_calls_on_main(
         _stop(w, t)
 
 
+@pytest.mark.timeout(60)
+def test_main_s_store_cuts_a_slow_call_at_the_stop_and_only_then(s3_client: Any, bucket: str, proxy: Any) -> None:
+    """The primitive under every S3 call main makes (dataset/store.StopBoundStore): a LIST held 2 s
+    is waited for while no stop is asked (it succeeds), and abandoned at once when one is (StopCut
+    within a poll of the request, not after the call)."""
+    from dflash_pipeline.dataset.store import StopCut, stop_bound
+
+    s3_client.put_object(Bucket=bucket, Key="x/a", Body=b"1")
+    stop = threading.Event()
+    asked: list[float] = []
+    store = stop_bound(Store(_single_attempt_client(proxy.url), bucket), stop,
+                       lambda: asked[0] if asked else float("inf"))
+    proxy.add_rule(method="GET", key_regex=_bucket_path(bucket), delay_s=2.0)
+    t0 = time.monotonic()
+    assert [o.key for o in store.list("x/")] == ["x/a"]
+    assert time.monotonic() - t0 >= 1.9
+
+    def ask() -> None:
+        time.sleep(0.5)
+        asked.append(time.monotonic())
+        stop.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(StopCut):
+        list(store.list("x/"))
+    assert asked and time.monotonic() - asked[0] < 0.3, time.monotonic() - t0
+
+
+@pytest.mark.timeout(60)
+def test_the_breaker_s_fleet_read_ends_at_the_stop(s3_client: Any, bucket: str, sim_fleet: Any, proxy: Any) -> None:
+    """The breaker reads the other workers' progress on main (a LIST and a GET per worker). With S3
+    answering it 4 s late, a stop asked meanwhile ends the read at once (it counts as unread)."""
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=20, save_every=10)
+    w = _worker(run, _single_attempt_client(proxy.url), stop_grace_s=GRACE_S)
+    proxy.add_rule(method="GET", key_regex=_bucket_path(bucket), delay_s=4.0)
+    timer = threading.Timer(0.5, w.request_stop)
+    timer.start()
+    t0 = time.monotonic()
+    assert w.breaker.fleet_results() == (0, 0)
+    took = time.monotonic() - t0
+    assert took < 0.5 + 0.5, f"the fleet read took {took:.2f}s; the stop came at 0.5 s"
+
+
 # -- 4: a stop waits for the concurrency pilot ------------------------------------------------------
 
 

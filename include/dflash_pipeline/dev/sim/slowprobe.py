@@ -15,27 +15,28 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 #: The load endpoints of the three wire flavours (SGLang, SGLang before 0.5.21, vLLM).
 PROBE_PATHS = frozenset({"/v1/loads", "/get_load", "/metrics"})
 
 _lock = threading.Lock()
-_delays: dict[int, float] = {}  # id(SimServer) -> seconds
+_delays: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()  # SimServer -> seconds
 
 
 def set_probe_delay(sim: Any, delay_s: float) -> None:
     """Every load probe `sim` receives from now on waits `delay_s` seconds first (0: none)."""
     with _lock:
         if delay_s > 0:
-            _delays[id(sim)] = float(delay_s)
+            _delays[sim] = float(delay_s)
         else:
-            _delays.pop(id(sim), None)
+            _delays.pop(sim, None)
 
 
 def probe_delay(sim: Any) -> float:
     with _lock:
-        return _delays.get(id(sim), 0.0)
+        return _delays.get(sim, 0.0)
 
 
 def hold(sim: Any, path: str) -> None:

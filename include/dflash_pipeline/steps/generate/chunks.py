@@ -49,7 +49,8 @@ Invariants (what makes a row exactly once and a run never hang):
    thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
 5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
    finished rows as partials every `checkpoint_every_s`) and leaves claims that expire after
-   `lease_s` (the task's own retry takes them back at once).
+   `lease_s` (the task's own retry takes them back once they go `quiet_after_s` unrenewed: one
+   renewal period, so an earlier try that is still running keeps its chunks).
    SIGTERM / an exception: one absolute deadline (the stop grace after the request; it also bounds
    the end of a run that completes as the stop arrives). The committer commits complete chunks
    until half the time left when the stop path starts; then main owns every lease left and, for all
