@@ -103,6 +103,7 @@ def test_a_stop_never_waits_for_slow_s3_calls_on_main(
         _wait(lambda: rule.in_flight > 0 and _in_stack(t, "all_done"), 60,
               f"main waiting on a slow {where} call in all_done")
         took = _stop_and_time(w, t, out)
+        print(f"figure: stop during a slow {where} took {took:.2f}s")  # -rP shows it (docs/liveness.md)
         assert took <= GRACE_S + STOP_SLACK_S, f"the stop took {took:.2f}s (grace {GRACE_S}s)"
         assert isinstance(out.get("error"), TaskStopped) or isinstance(out.get("result"), dict), out
     finally:
@@ -152,6 +153,7 @@ def test_the_breaker_s_fleet_read_ends_at_the_stop(s3_client: Any, bucket: str, 
     t0 = time.monotonic()
     assert w.breaker.fleet_results() == (0, 0)
     took = time.monotonic() - t0
+    print(f"figure: the fleet read took {took:.2f}s (stop at 0.5 s)")
     assert took < 0.5 + 0.5, f"the fleet read took {took:.2f}s; the stop came at 0.5 s"
 
 
@@ -178,6 +180,7 @@ def test_a_stop_never_waits_for_a_slow_load_probe(
               "the pilot waiting on a slow load probe")
         caplog.set_level(logging.INFO, logger="dflash_pipeline")
         took = _stop_and_time(w, t, out)
+        print(f"figure: stop during a slow load probe took {took:.2f}s")
         assert took <= GRACE_S + STOP_SLACK_S, f"the stop took {took:.2f}s (grace {GRACE_S}s)"
         logged = [float(m.group(1)) for r in caplog.records
                   if (m := re.search(r"stop of worker \S+ took ([0-9.]+)s", r.getMessage()))]
@@ -237,6 +240,7 @@ def test_a_lost_claim_answer_does_not_block_its_chunk_for_a_lease(
     try:
         t.join(timeout=60)
         took = time.monotonic() - t0
+        print(f"figure: the run with a lost claim answer took {took:.2f}s (lease 30 s)")
         assert lost.hits == 1 and refuse.hits > 0, (lost.hits, refuse.hits)
         assert isinstance(out.get("result"), dict), out
         assert took < 15.0, f"the run took {took:.1f}s: chunk 0 waited for its own claim's lease (30 s)"
@@ -272,6 +276,8 @@ def test_a_retry_leaves_its_live_earlier_try_s_claims_alone(s3_client: Any, buck
         run.validate()
         per_prompt: Counter[str] = Counter(fleet[0].stats()["ids"])
         twice = sorted(k for k, v in per_prompt.items() if v > 1)
+        print(f"figure: {len(twice)} of {run.n} prompts generated twice; completions try 1 "
+              f"{try1.stats.completions}, try 2 {try2.stats.completions}")
         assert not twice, f"{len(twice)} prompts generated twice, e.g. {twice[:5]}"
         assert try2.stats.completions > 0 or try1.stats.completions == 600
     finally:

@@ -4,6 +4,10 @@ Owners:
 - `StopRequest` owns the stop: whether it was asked (an Event every thread may read or wait on),
   when, and so its absolute deadline (`stop_grace_s` after the request). Only `request()` changes
   it; it is called from the stop-signal watcher thread (stopsignal.py), never inside a handler.
+  It is the one clock of every blocking call on main (docs/liveness.md): work that only serves a
+  running worker (scans, sweeps, the breaker's fleet read: main's S3 calls go through
+  `Worker.main_store`, a `StopBoundStore`) is abandoned at `abandon_at()`, the request itself; the
+  stop's own work (commits, saves, releases, the joins below) runs to `deadline()`.
 - `Closer` runs in main, after main's loop has left: it owns the order of the end. It changes the
   protocol only through the owners' own interfaces (the claimer's and committer's stop/join, the
   Ledger's take methods, `Leases.move` with `give_up_owner` = "main", `hand_back`).

@@ -447,10 +447,11 @@ class Worker:
                     last_checkpoint = time.monotonic()
         except BaseException as exc:
             self.claimer.stop()
-            self.concurrency.stop(timeout_s=self._pilot_join_s())
+            self.concurrency.stop(timeout_s=0.0)  # asked to end now, waited for after the stop's work
             pool.close()
             self.closer.give_up(keep_errors=not isinstance(exc, ServerBroken))
             self._io.close()
+            self.concurrency.stop(timeout_s=self._pilot_join_s())
             self.closer.log_stop()
             if isinstance(exc, StopCut) and self.stop.requested:
                 raise TaskStopped(f"worker {s.worker} stopped from outside") from exc
@@ -460,6 +461,7 @@ class Worker:
         pool.close()
         self.closer.end_normally()
         self._io.close()
+        self.closer.log_stop()  # a stop that came as the dataset completed
         self._progress(force=True)
         result = self.stats.to_dict()
         control = self.concurrency.snapshot()
@@ -469,8 +471,9 @@ class Worker:
         return result
 
     def _pilot_join_s(self) -> float:
-        """How long main may wait for the pilot's thread to end: a tick (a load probe may take its
-        5 s timeout) never outlasts a stop: no stop, 5 s; stopping, a tenth of the time left."""
+        """How long main may wait for the pilot's thread to end (a tick may be waiting on a load probe
+        with a 5 s timeout): 5 s, or while stopping a tenth of the time left to the stop's deadline.
+        The thread is a daemon and holds nothing to save: one given up on never delays the exit."""
         if not self.stop.requested:
             return 5.0
         return max(0.0, min(5.0, (self.stop.deadline() - time.monotonic()) / 10))
