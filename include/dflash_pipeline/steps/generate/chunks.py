@@ -257,7 +257,8 @@ class ChunkStore:
         if (info.metadata or {}).get("nonce") != nonce:
             return None
         logger.info("chunk %d: the claim whose answer was lost is ours (its nonce); keeping it", chunk)
-        return Lease(chunk, info.etag, nonce)
+        # Written a while ago (at least the claim's deadline): renewed at the keeper's next round.
+        return Lease(chunk, info.etag, nonce, last_renewed_t=0.0)
 
     def _ours(self, key: str, nonce: str, deadline_s: float) -> ObjectInfo | None:
         """The object at `key` if it carries our nonce (our write went through, its answer lost)."""
