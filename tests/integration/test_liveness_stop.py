@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from test_dispatch import SIM, Run
+from test_dispatch import RUN_ID, SIM, Run
 from test_protocol_review import _run_in_thread, _single_attempt_client, _stop, _wait
 
 from dflash_pipeline.dataset.records import encode_part
@@ -32,6 +32,7 @@ from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.dev.s3faults import S3FaultProxy
 from dflash_pipeline.dev.sim.slowprobe import set_probe_delay
 from dflash_pipeline.steps.generate import TaskStopped, Worker
+from dflash_pipeline.steps.generate.chunks import claim_body
 
 #: What a stop may take past its grace, measured to run()'s return on 2 busy cores (the chaos bench
 #: allows 1.5 s to the process's exit).
@@ -77,7 +78,7 @@ def _stop_and_time(worker: Worker, t: threading.Thread, out: dict[str, Any]) -> 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", ["scan", "partials_sweep"])
+@pytest.mark.parametrize("where", ["scan", "claims_sweep", "partials_sweep"])
 def test_a_stop_never_waits_for_slow_s3_calls_on_main(
     s3_client: Any, bucket: str, sim_fleet: Any, proxy: Any, where: str
 ) -> None:
@@ -92,6 +93,13 @@ def test_a_stop_never_waits_for_slow_s3_calls_on_main(
     assert isinstance(run.worker(0).run(), dict)
     if where == "scan":
         rule = proxy.add_rule(method="GET", key_regex=_bucket_path(bucket), delay_s=4.0)
+    elif where == "claims_sweep":
+        # a claim an earlier try of this task left on a committed chunk (SIGKILLed between its commit
+        # and its release): the retry's sweep reads it (is it ours?) and deletes it
+        body = claim_body(run.settings(0).owner, "w0000", fleet.urls[0], RUN_ID, 1)("earlier-nonce")
+        run.store.put(run.layout.claim_key(0), body, content_type="application/json",
+                      metadata={"nonce": "earlier-nonce"})
+        rule = proxy.add_rule(method="GET", key_regex=r"/claims/", delay_s=4.0)
     else:
         # stale partials of committed chunks (a stop saved them while a commit was in flight)
         for c in range(4):
