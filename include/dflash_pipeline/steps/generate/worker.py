@@ -476,7 +476,7 @@ class Worker:
         The thread is a daemon and holds nothing to save: one given up on never delays the exit."""
         if not self.stop.requested:
             return 5.0
-        return max(0.0, min(5.0, (self.stop.deadline() - time.monotonic()) / 10))
+        return min(5.0, self.stop.left() / 10)
 
     def _wait_commits(self) -> None:
         while self.ledger.committing() > 0:
