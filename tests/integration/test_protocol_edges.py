@@ -53,13 +53,15 @@ def test_a_stop_during_an_s3_outage_ends_within_the_grace(proxy: S3FaultProxy, s
                                                           sim_fleet: Any) -> None:
     """SIGTERM while S3 is unreachable: the task must still end within `stop_grace_s` (the supervisor
     SIGKILLs it soon after), whatever it holds (open, queued and committing chunks); the next try
-    then takes its own claims back at once and the dataset ends exact."""
+    then takes its own claims back once they are not renewed for one renewal period (17 s with this
+    60 s lease; issue 31: a still-running earlier try keeps renewing and keeps them), well before
+    the lease, and the dataset ends exact."""
     fleet = sim_fleet(1, **{**SIM, "token_time_s": 0.004})
     run = Run(s3_client, bucket, fleet.urls, n=900, save_every=60)
     faulty = Store(make_client(proxy.url), bucket)
     from dflash_pipeline.steps.generate import Worker
 
-    worker = Worker(faulty, run.layout, run.manifest, run.settings(0, lease_s=600.0, stop_grace_s=3.0))
+    worker = Worker(faulty, run.layout, run.manifest, run.settings(0, lease_s=60.0, stop_grace_s=3.0))
     t, out = _run_in_thread(worker)
     deadline = time.monotonic() + 60
     while worker.stats.completions < 200 and time.monotonic() < deadline:
@@ -77,7 +79,7 @@ def test_a_stop_during_an_s3_outage_ends_within_the_grace(proxy: S3FaultProxy, s
     assert took < 3.0 + 1.0, f"stopping took {took:.1f}s with a 3 s grace ({held} leases held)"
 
     proxy.outage(0)
-    retry = run.worker(0, lease_s=600.0, try_number=2)
+    retry = run.worker(0, lease_s=60.0, try_number=2)
     started = time.monotonic()
     result = run.run_all([retry])[0]
     assert isinstance(result, dict), result

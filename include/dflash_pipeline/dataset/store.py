@@ -11,6 +11,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -238,6 +239,85 @@ class Store:
             if status in (401, 403):
                 raise StoreConfigError(f"access to bucket {self.bucket!r} denied") from exc
             raise
+
+
+class StopCut(StoreUnavailable):
+    """A call abandoned by the stop: the worker is stopping and this call's time is over (its
+    request may still be in flight on a daemon thread; whatever it does is safe to lose, since every
+    write of the protocol is conditional and idempotent)."""
+
+
+#: How often main, waiting for a bounded call, looks at the stop and the clock.
+BOUND_POLL_S = 0.05
+
+
+def bounded_call(fn: Callable[[], T], *, stop: threading.Event, cut_at: Callable[[], float], what: str) -> T:
+    """Run `fn` on a daemon thread and wait for it, or for the stop: once `stop` is set, the wait ends at
+    `cut_at()` (monotonic, re-read: a stop arriving later brings it forward) with StopCut. A call
+    that is slow but succeeding is cut as surely as one that fails; the thread it ran on is a daemon,
+    so a task never waits for it at exit. Without a stop it waits as long as `fn` takes (botocore's
+    own timeouts bound that: CLIENT_CONFIG)."""
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            box.append((False, exc))
+        done.set()
+
+    threading.Thread(target=run, name=f"s3-{what}"[:40], daemon=True).start()
+    while not done.wait(BOUND_POLL_S):
+        if stop.is_set() and time.monotonic() >= cut_at():
+            raise StopCut(f"{what}: abandoned, the worker is stopping")
+    ok, value = box[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
+class StopBoundStore(Store):
+    """The same bucket, every call bounded by a stop (`bounded_call`): what a task's main thread uses,
+    so no S3 call main makes, slow or failing, outlasts the stop's deadline. Calls made on the
+    bounded call's own thread (a `get` reading its body, a listing's pages) run direct."""
+
+    def __init__(self, store: Store, stop: threading.Event, cut_at: Callable[[], float]) -> None:
+        super().__init__(store.client, store.bucket)
+        self._base = store
+        self._stop = stop
+        self._cut_at = cut_at
+        self._inside = threading.local()
+
+    def _bounded(self, what: str, fn: Callable[[], T]) -> T:
+        if getattr(self._inside, "on", False):
+            return fn()
+
+        def inside() -> T:
+            self._inside.on = True
+            return fn()
+
+        return bounded_call(inside, stop=self._stop, cut_at=self._cut_at, what=what)
+
+    def _call(self, fn: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        resp = self._bounded(f"{getattr(fn, '__name__', 's3')} {kwargs.get('Key', kwargs.get('Prefix', ''))}",
+                             lambda: Store._call(self, fn, **kwargs))
+        self._base._last_server_time = self._last_server_time or self._base._last_server_time
+        return resp
+
+    def server_time(self) -> datetime:
+        return self._last_server_time or self._base.server_time()
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        return self._bounded(f"get {key}", lambda: Store.get(self, key))
+
+    def head(self, key: str) -> ObjectInfo | None:
+        return self._bounded(f"head {key}", lambda: Store.head(self, key))
+
+
+def stop_bound(store: Store, stop: threading.Event, cut_at: Callable[[], float]) -> Store:
+    """`store` with every call bounded by the stop (StopBoundStore)."""
+    return StopBoundStore(store, stop, cut_at)
 
 
 #: How often a backoff sleep looks at `should_stop` (with_retries).

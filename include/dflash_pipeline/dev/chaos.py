@@ -45,6 +45,7 @@ from dflash_pipeline.dataset.records import decode_part
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.dev.s3faults import S3FaultProxy
 from dflash_pipeline.dev.sim import SimConfig, SimFleet
+from dflash_pipeline.dev.sim.slowprobe import set_probe_delay
 from dflash_pipeline.dev.transitions import FAULT_MARK, PEER_OWNER, STOP_MARK, TransitionFaults, TransitionRates
 from dflash_pipeline.serving.sglang import ServerSpec, check_health, new_session
 from dflash_pipeline.steps.generate.chunks import claim_doc
@@ -84,7 +85,8 @@ class Event:
     at_s: float
     kind: str  # "crash" (server), "sigterm" / "sigkill" (worker), "outage" (S3)
     target: int = 0
-    arg: float | None = None  # crash: restart after (None = gone for good); outage: seconds
+    arg: float | None = None  # crash: restart after (None = gone for good); outage, s3_slow, probe_slow: seconds
+    delay_s: float | None = None  # s3_slow, probe_slow: how late each call is answered
 
 
 @dataclass
@@ -140,6 +142,8 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
                 events.append(Event(at, kind, 0, rng.uniform(1.0, outage_s)))
             else:
                 events.append(Event(at, kind, rng.randrange(n_servers)))
+    if not s3_only:
+        events += draw_liveness_events(seed, n_servers)
     events.sort(key=lambda e: e.at_s)
     sc = Schedule(seed, rng.randint(300, 700), rng.choice([25, 50, 100]), n_servers, s3, servers, events)
     if transitions and not s3_only:
@@ -150,6 +154,41 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
         if not any(e.kind == "sigterm" and e.at_s >= SURE_SIGTERM_S for e in events):
             sc.transitions = sc.transitions.with_certain_stop()
     return sc
+
+
+# -- liveness faults (issue 31, part B) ---------------------------------------------------------------
+#: S3 calls that succeed, slowly (every request held `delay_s` before it is forwarded, for `arg`
+#: seconds), and a server whose load probes (/v1/loads, /get_load, /metrics) answer `delay_s` late for
+#: `arg` seconds (dev/sim/slowprobe.py). Neither fails anything: they find waits that take no deadline
+#: (a stop that waits for a slow scan, a sweep or the concurrency pilot's probe).
+LIVENESS_KINDS = ("s3_slow", "probe_slow")
+
+
+def draw_liveness_events(seed: int, n_servers: int) -> list[Event]:
+    """Liveness faults of one schedule, from a stream of their own (the rest of a seed's schedule is
+    the same with or without them): about half the schedules slow S3, about half a server's probes."""
+    rng = random.Random(f"chaos-liveness:{seed}")
+    events: list[Event] = []
+    if rng.random() < 0.5:
+        events.append(Event(rng.uniform(1.0, 10.0), "s3_slow", 0, rng.uniform(2.0, 8.0), rng.uniform(0.5, 4.0)))
+    if rng.random() < 0.5:
+        events.append(Event(rng.uniform(0.5, 8.0), "probe_slow", rng.randrange(n_servers), rng.uniform(3.0, 12.0),
+                            rng.uniform(2.0, 8.0)))
+    return events
+
+
+def apply_liveness_event(ev: Event, fleet: SimFleet, proxy: S3FaultProxy) -> None:
+    """Start one liveness fault; each ends by itself after `ev.arg` seconds."""
+    window = ev.arg or 1.0
+    delay = ev.delay_s or 1.0
+    if ev.kind == "s3_slow":
+        proxy.add_rule(delay_s=delay, until=time.monotonic() + window)
+    elif ev.kind == "probe_slow":
+        sim = fleet.servers[ev.target]
+        set_probe_delay(sim, delay)
+        timer = threading.Timer(window, set_probe_delay, (sim, 0.0))
+        timer.daemon = True
+        timer.start()
 
 
 @dataclass
@@ -362,6 +401,8 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                         fleet.servers[ev.target].crash(ev.arg)
                     elif ev.kind == "outage":
                         proxy.outage(ev.arg or 1.0)
+                    elif ev.kind in LIVENESS_KINDS:
+                        apply_liveness_event(ev, fleet, proxy)
                     elif ev.target in procs and not procs[ev.target].ended:
                         p = procs[ev.target]
                         if ev.kind == "sigterm":

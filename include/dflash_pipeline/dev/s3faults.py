@@ -54,7 +54,9 @@ class FaultRule:
     `until` not reached (a `time.monotonic()` value, or a callable that returns True once the rule
     should end; None: never) and not `end()`ed. A matched request is held `delay_s` seconds, then
     answered `status` (with S3's error XML; `code` overrides the error code) without being
-    forwarded, or forwarded unchanged when `status` is None. `hits` counts matches, `in_flight`
+    forwarded, or forwarded unchanged when `status` is None (with `lose_answer`, forwarded and its
+    answer dropped once the write took effect, as the seeded `lost` fault). `hits` counts matches,
+    `first_hit_t` is when the first one arrived (monotonic; None: none yet), `in_flight`
     the matched requests not answered yet (held by the delay, or forwarded and not back from the
     target); it drops before the answer is sent, so a client that has its answer sees it settled."""
 
@@ -65,7 +67,9 @@ class FaultRule:
     delay_s: float = 0.0
     times: int | None = None
     until: float | Callable[[], bool] | None = None
+    lose_answer: bool = False
     hits: int = 0
+    first_hit_t: float | None = None
     in_flight: int = 0
     ended: bool = False
     _pattern: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -142,15 +146,17 @@ class S3FaultProxy:
 
     def add_rule(self, *, method: str | None = None, key_regex: str | None = None, status: int | None = None,
                  code: str | None = None, delay_s: float = 0.0, times: int | None = None,
-                 until: float | Callable[[], bool] | None = None) -> FaultRule:
+                 until: float | Callable[[], bool] | None = None, lose_answer: bool = False) -> FaultRule:
         """Aim a fault at matching requests (FaultRule has the semantics) and return the rule (its
         `hits`, `in_flight`, `end()`). Rules come before the seeded draws and an outage; when
         several match, the one added last decides, so a later rule overrides an earlier one for
         requests that arrive after it (e.g. part PUTs slowed, then refused from some moment)."""
-        if status is None and delay_s <= 0:
-            raise ValueError("a rule needs a status to answer or a delay_s to hold requests")
+        if status is None and delay_s <= 0 and not lose_answer:
+            raise ValueError("a rule needs a status to answer, a delay_s to hold requests or lose_answer")
+        if status is not None and lose_answer:
+            raise ValueError("lose_answer forwards the request: it takes no status")
         rule = FaultRule(method=method, key_regex=key_regex, status=status, code=code, delay_s=delay_s,
-                         times=times, until=until)
+                         times=times, until=until, lose_answer=lose_answer)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -169,6 +175,8 @@ class S3FaultProxy:
             for rule in reversed(self._rules):
                 if rule.live(now) and rule.matches(method, path):
                     rule.hits += 1
+                    if rule.first_hit_t is None:
+                        rule.first_hit_t = now
                     rule.in_flight += 1
                     self.counts["rule"] += 1
                     return rule
@@ -260,7 +268,7 @@ class S3FaultProxy:
                 self._drop(h)  # the proxy is stopping: nothing is forwarded late
                 return
             if rule.status is None:
-                self._forward(h, method, body, fault=None, before_reply=settle)
+                self._forward(h, method, body, fault="lost" if rule.lose_answer else None, before_reply=settle)
             else:
                 code = rule.code or _CODES.get(rule.status, "InjectedFault")
                 settle()

@@ -15,7 +15,8 @@ Threads and owners:
   already in flight retry into room, not into more refusals), so the request path has no extra
   code;
 - main and the claimer: `limit` and `snapshot()`.
-`stop()` ends the thread and detaches the listener; a killed process takes the daemon thread with
+`stop(timeout_s)` ends the thread and detaches the listener, waiting for it no longer than the
+caller's stop deadline allows; a killed process takes the daemon thread with
 it, and nothing the pilot holds needs saving (the task's progress object has the history).
 """
 
@@ -40,7 +41,7 @@ class FixedConcurrency:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
         pass
 
     def snapshot(self) -> dict[str, Any]:
@@ -74,12 +75,15 @@ class ConcurrencyPilot:
         self._thread = threading.Thread(target=self._run, name=f"pilot-{self.name}"[:60], daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread: wait for it at most `timeout_s` (a stopping task passes what its stop
+        deadline leaves; a tick waiting on a slow load probe is then given up on: the thread is a
+        daemon and holds nothing that needs saving)."""
         self._stop.set()
         self.watch.remove_listener(self.controller)
         self.watch.set_gate(None)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=max(0.0, timeout_s))
 
     def tick(self) -> None:
         """One observation: the server's load (a probe at most half an interval old) and ours."""

@@ -47,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
+from dflash_pipeline.dev.sim import lengths, slowprobe, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
@@ -623,6 +623,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             else:
                 self._send_json(404, {"detail": "Not Found"})
             return
+        slowprobe.hold(self.sim, path)  # a load probe answered late (dev/sim/slowprobe.py)
         try:
             getattr(self, name)(body)
         except (BrokenPipeError, ConnectionResetError):

@@ -49,7 +49,8 @@ Invariants (what makes a row exactly once and a run never hang):
    thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
 5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
    finished rows as partials every `checkpoint_every_s`) and leaves claims that expire after
-   `lease_s` (the task's own retry takes them back at once).
+   `lease_s` (the task's own retry takes them back once they go `quiet_after_s` unrenewed: one
+   renewal period, so an earlier try that is still running keeps its chunks).
    SIGTERM / an exception: one absolute deadline (the stop grace after the request; it also bounds
    the end of a run that completes as the stop arrives). The committer commits complete chunks
    until half the time left when the stop path starts; then main owns every lease left and, for all
@@ -225,6 +226,39 @@ class ChunkStore:
         self.claim_key = claim_key
         self.claim_body = claim_body
         self.store_deadline_s = store_deadline_s
+        # Claims whose write may have landed unanswered (a claim that ended StoreUnavailable after a
+        # send): chunk -> its nonce, kept until S3 says whose the key is (`recover`, or the next
+        # claim of that chunk, which re-sends the same nonce). Claimer thread only; the lock keeps
+        # reads from other threads (the end of a run) consistent.
+        self._pending: dict[int, str] = {}
+        self._pending_lock = threading.Lock()
+
+    def is_pending(self, chunk: int) -> bool:
+        """Whether a claim of ours on `chunk` may exist although its write was never answered."""
+        with self._pending_lock:
+            return chunk in self._pending
+
+    def recover(self, chunk: int, deadline_s: float = 30.0) -> Lease | None:
+        """Our claim on `chunk` whose write went unanswered, if the key holds it (a HEAD compares the
+        nonce): then it is ours, with no wait for any lease. None: the key holds no claim of ours
+        (absent: the pending nonce is kept, the next claim re-sends it; a peer's: forgotten).
+        StoreUnavailable propagates and the claim stays pending."""
+        with self._pending_lock:
+            nonce = self._pending.get(chunk)
+        if nonce is None:
+            return None
+        key = self.claim_key(chunk)
+        info = with_retries(lambda: self.store.head(key), what=f"head {key}", deadline_s=deadline_s,
+                            cap_s=max(0.5, deadline_s / 4))
+        if info is None:
+            return None
+        with self._pending_lock:
+            self._pending.pop(chunk, None)
+        if (info.metadata or {}).get("nonce") != nonce:
+            return None
+        logger.info("chunk %d: the claim whose answer was lost is ours (its nonce); keeping it", chunk)
+        # Written a while ago (at least the claim's deadline): renewed at the keeper's next round.
+        return Lease(chunk, info.etag, nonce, last_renewed_t=0.0)
 
     def _ours(self, key: str, nonce: str, deadline_s: float) -> ObjectInfo | None:
         """The object at `key` if it carries our nonce (our write went through, its answer lost)."""
@@ -241,9 +275,12 @@ class ChunkStore:
 
         Every send of one claim carries the same nonce, so a 412 that follows any earlier send (ours
         or botocore's) is checked with a HEAD: our own claim is never read as a peer's. A claim
-        whose every answer was lost and that still ends in StoreUnavailable may exist with our nonce;
-        nobody renews it, so it expires after the lease (waste, never a duplicate: invariant 1)."""
-        nonce = uuid.uuid4().hex
+        whose every answer was lost and that still ends in StoreUnavailable may exist with our nonce:
+        its nonce is kept (`_pending`) and the next attempt on the chunk re-sends it, or `recover`
+        finds the claim by it, so the chunk never waits for its own claim's lease."""
+        with self._pending_lock:
+            pending = self._pending.get(chunk)
+        nonce = pending or uuid.uuid4().hex
         key = self.claim_key(chunk)
         sends = 0
 
@@ -260,16 +297,28 @@ class ChunkStore:
             etag = with_retries(put, what=f"claim {key}", deadline_s=deadline_s, cap_s=max(0.5, deadline_s / 4),
                                 should_stop=should_stop)
         except KeyGone:
+            self._settled(chunk)
             if sends == 1:
                 return None  # the claim we meant to take over was released meanwhile
             raise StoreUnavailable(f"claim {key}: answer lost and the key gone; try again")
         except PreconditionFailed as exc:
-            mine = self._ours(key, nonce, deadline_s) if exc.retried or sends > 1 else None
+            mine = self._ours(key, nonce, deadline_s) if exc.retried or sends > 1 or pending else None
+            self._settled(chunk)
             if mine is None:
                 return None
             logger.info("chunk %d: claim answer was lost but the claim is ours", chunk)
             etag = mine.etag
+        except StoreUnavailable:
+            if sends:
+                with self._pending_lock:  # a send may have landed: remember whose it would be
+                    self._pending[chunk] = nonce
+            raise
+        self._settled(chunk)
         return Lease(chunk, etag, nonce)
+
+    def _settled(self, chunk: int) -> None:
+        with self._pending_lock:
+            self._pending.pop(chunk, None)
 
     def renew(self, lease: Lease, deadline_s: float = 30.0) -> bool:
         """Rewrite our claim If-Match its ETag (this refreshes LastModified, which peers judge
@@ -365,7 +414,7 @@ class LeaseKeeper:
                  on_lost: Callable[[Lease], None]) -> None:
         self.leases = leases
         self.chunks = chunks
-        self.every_s = max(0.25, lease_s / 4)
+        self.every_s = renew_every_s(lease_s)
         self.on_lost = on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -397,7 +446,7 @@ class LeaseKeeper:
             started.append(t)
         if wait:
             for t in started:
-                t.join()
+                t.join(timeout=60.0)  # a renewal's calls end within min(30 s, every_s) each
 
     def _renew_one(self, lease: Lease) -> None:
         try:
@@ -427,6 +476,20 @@ class LeaseKeeper:
             except BaseException as exc:  # noqa: BLE001 - surfaced by the worker's main loop
                 self.error = exc
                 return
+
+
+def renew_every_s(lease_s: float) -> float:
+    """How often a live worker renews each of its claims (LeaseKeeper)."""
+    return max(0.25, lease_s / 4)
+
+
+def quiet_after_s(lease_s: float) -> float:
+    """A claim not renewed for this long is not being renewed by a live worker: one renewal period,
+    the renewer's poll (half a period, at most 1 s) and 1 s for S3's one-second Last-Modified. A
+    retry waits this long for its earlier try's claims (a SIGKILLed try stops renewing at once, a
+    still-running one keeps renewing and keeps its chunks): 47 s with the default 180 s lease."""
+    every = renew_every_s(lease_s)
+    return every + min(1.0, every / 2) + 1.0
 
 
 def claim_body(owner: str, worker: str, server: str, run_id: str, try_number: int) -> Callable[..., bytes]:

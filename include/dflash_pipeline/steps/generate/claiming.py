@@ -32,6 +32,7 @@ from dflash_pipeline.steps.generate.chunks import (
     Leases,
     State,
     claim_doc,
+    quiet_after_s,
 )
 from dflash_pipeline.steps.generate.ledger import Ledger
 from dflash_pipeline.steps.generate.outcomes import FINISHED
@@ -112,14 +113,18 @@ class Claimer:
         return ahead_s
 
     def _find_own_stale(self, claims: dict[int, ObjectInfo]) -> set[int]:
-        """Chunks a previous try of this same worker claimed: ours to take back without waiting."""
+        """Chunks a previous try of this same worker claimed: ours to take back once their claims are
+        no longer renewed (`quiet_after_s`, not the whole lease). An earlier try that is still
+        running (its supervisor lost it) keeps renewing them and keeps its chunks: taking them at
+        once had both tries generate them."""
         own: set[int] = set()
         for c in claims:
             got = self.store.get(self.layout.claim_key(c))
             if got is not None and claim_doc(got[0]).get("owner") == self.settings.owner:
                 own.add(c)
         if own:
-            logger.info("taking back %d chunk(s) claimed by an earlier try of this task: %s", len(own), sorted(own))
+            logger.info("%d chunk(s) claimed by an earlier try of this task: taken back once not renewed for "
+                        "%.1fs: %s", len(own), quiet_after_s(self.settings.lease_s), sorted(own))
         return own
 
     def _wants_redo(self, row: dict[str, Any]) -> bool:
@@ -159,14 +164,21 @@ class Claimer:
                 if self.settings.try_number > 1 else set()
             )
         now = self.store.server_time()
+        own_quiet_s = quiet_after_s(self.settings.lease_s)
+
+        def live(c: int, info: ObjectInfo) -> bool:
+            """Someone may be renewing this claim: a peer's within its lease, an earlier try's of
+            ours within one renewal period (chunks.quiet_after_s)."""
+            age = (now - info.last_modified).total_seconds()
+            return age <= (own_quiet_s if c in self._own_stale else self.settings.lease_s)
 
         def held(c: int) -> bool:
             if self.leases.held(c):
                 return True
             info = claims.get(c)
-            if info is None or c in self._own_stale:
-                return False
-            return (now - info.last_modified).total_seconds() <= self.settings.lease_s
+            if info is None or self.chunks.is_pending(c):
+                return False  # free, or possibly our own unanswered claim (looked at below)
+            return live(c, info)
 
         free = [c for c in range(self.n_chunks) if c not in done and not held(c)]
         # Plan order (the plan's shrinking tail stays last), except where workers claim at the same
@@ -180,8 +192,15 @@ class Claimer:
         while candidates and not self.stop_event.is_set():
             c = candidates.popleft()
             info = claims.get(c)
-            lease = self.chunks.claim(c, info, deadline_s=min(30.0, self.settings.store_deadline_s),
-                                      should_stop=self.stop_event.is_set)
+            recovered = None
+            if self.chunks.is_pending(c):
+                # A claim of ours whose answer was lost: its nonce says whether the key is ours, so
+                # our own claim is never read as a peer's (and waited out for a lease).
+                recovered = self.chunks.recover(c, deadline_s=min(30.0, self.settings.store_deadline_s))
+                if recovered is None and info is not None and live(c, info) and not self.chunks.is_pending(c):
+                    continue  # a peer's live claim
+            lease = recovered or self.chunks.claim(c, info, deadline_s=min(30.0, self.settings.store_deadline_s),
+                                                   should_stop=self.stop_event.is_set)
             if lease is not None and self.stop_event.is_set():
                 # Stopping began while the claim was in flight: main may already have released
                 # the leases it saw, so this one is released here, at once.
@@ -196,7 +215,7 @@ class Claimer:
                     refused = True
                     candidates = deque(rotate(list(candidates), w, self.settings.map_index))
                 continue
-            if info is not None:
+            if info is not None and recovered is None:
                 mine = c in self._own_stale
                 self._own_stale.discard(c)
                 if not mine:
@@ -251,14 +270,14 @@ class Claimer:
         part_f = self._io.submit(self.store.head, self.layout.part_key(c))
         partial_f = self._io.submit(self.store.get, self.layout.partial_key(c))
         got = self.store.get(self.layout.input_key(self.plan_id, c))
-        if part_f.result() is not None:
+        if part_f.result() is not None:  # bounded: the claimer's thread, which main gives up on at the stop
             self.scanner.mark_done(c)
             self._release_claimed(lease)
             return None
         if got is None:
             raise RuntimeError(f"input of chunk {c} is missing: {self.layout.input_key(self.plan_id, c)}")
         chunk = OpenChunk(c, lease, decode_inputs(got[0]))
-        partial = partial_f.result()
+        partial = partial_f.result()  # bounded: the claimer's thread, which main gives up on at the stop
         if partial is not None:
             ids = {unit_key(p) for p in chunk.prompts}
             for row in decode_part(partial[0]).to_pylist():

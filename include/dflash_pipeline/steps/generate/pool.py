@@ -45,7 +45,7 @@ class RequestPool:
     def _loop(self, fn: Callable[[Any, Any], Any], session_factory: Callable[[], Any]) -> None:
         session: Any = None
         while not self._stop.is_set():
-            item = self._in.get()
+            item = self._in.get()  # bounded: an idle request thread waiting for work; close() ends it
             if item is None:
                 return
             try:
@@ -90,7 +90,7 @@ class DaemonPool:
 
     def _loop(self) -> None:
         while True:
-            item = self._q.get()
+            item = self._q.get()  # bounded: an idle pool thread waiting for work; close() ends it
             if item is None:
                 return
             fut, fn, args = item

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import (
@@ -28,10 +30,26 @@ from dflash_pipeline.steps.generate.pool import DaemonPool
 from dflash_pipeline.steps.generate.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Scan = tuple[set[int], dict[int, ObjectInfo], set[int]]
 #: How long the end-of-run sweep, all claims together, retries through transient S3 failures.
 SWEEP_RETRY_S = 20.0
+
+
+def _background(fn: Callable[[], T]) -> Future[T]:
+    """`fn` on a daemon thread of its own (the task never waits for it at exit)."""
+    fut: Future[T] = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="scan-claims", daemon=True).start()
+    return fut
 
 
 class Scanner:
@@ -67,7 +85,9 @@ class Scanner:
 
     def scan(self, fresh_markers: bool = False) -> Scan:
         """(committed chunks, claims of chunks, chunks to repair). The two listings run at once."""
-        claims_f = self._io.submit(lambda: list(self.store.list(self.layout.claims_prefix)))
+        # On a thread of its own, not the shared S3 pool: main waits for it, and a pool busy with the
+        # claimer's reads would make main wait for those too, past any stop.
+        claims_f = _background(lambda: list(self.store.list(self.layout.claims_prefix)))
         prefix = self.layout.completions_prefix
         with self._lock:
             done = set(self._done)
@@ -84,7 +104,7 @@ class Scanner:
             self._lowest_unfinished = max(self._lowest_unfinished, low)
             done = set(self._done)
         claims: dict[int, ObjectInfo] = {}
-        for obj in claims_f.result():
+        for obj in claims_f.result():  # bounded: its own thread, each page a call of the (stop-bound) store
             c = chunk_of_key(obj.key, self.layout.claims_prefix)
             if c is not None:
                 claims[c] = obj
@@ -193,15 +213,38 @@ class Scanner:
             except StoreUnavailable as exc:
                 logger.warning("could not delete the stale claim of committed chunk %d (%s); it stays until a "
                                "later try or run sweeps it, harmless to the data", c, exc)
+                if should_stop is not None and should_stop():
+                    return  # stopping: the sweep is abandoned, a later try or run does it
                 continue
             if deleted:
                 logger.info("deleted the %s claim of committed chunk %d", "expired" if expired else "earlier try's", c)
-        # A partial outlives its chunk's commit when the stop path saved it while a commit was in
-        # flight, or a hand-off raced one: the part is what counts, the partial is only clutter.
+        self._sweep_partials(done, until, should_stop)
+
+    def _sweep_partials(self, done: set[int], until: float, should_stop: Any = None) -> None:
+        """Delete the partials of committed chunks. A partial outlives its chunk's commit when the stop
+        path saved it while a commit was in flight, or a hand-off raced one: the part is what counts,
+        the partial is only clutter. Each object is retried on its own through transient failures
+        until `until` (the sweep's one deadline) or a stop; one refused delete never ends the sweep
+        (before, the first 503 left every partial behind)."""
+        left = lambda: max(0.0, until - time.monotonic())  # noqa: E731
         try:
-            for obj in self.store.list(self.layout.partials_prefix):
-                c = chunk_of_key(obj.key, self.layout.partials_prefix)
-                if c is not None and c in done and not self.leases.held(c):
-                    self.store.delete(obj.key, if_match=obj.etag)
-        except (PreconditionFailed, StoreUnavailable):
-            pass
+            listed = with_retries(lambda: list(self.store.list(self.layout.partials_prefix)),
+                                  what="list partials", deadline_s=left(), should_stop=should_stop)
+        except StoreUnavailable as exc:
+            logger.warning("could not list the partials to sweep (%s); a later run sweeps them", exc)
+            return
+        for obj in listed:
+            c = chunk_of_key(obj.key, self.layout.partials_prefix)
+            if c is None or c not in done or self.leases.held(c):
+                continue
+            try:
+                with_retries(lambda obj=obj: self.store.delete(obj.key, if_match=obj.etag),
+                             what=f"sweep partial of chunk {c}", deadline_s=left(), cap_s=1.0,
+                             should_stop=should_stop)
+            except PreconditionFailed:
+                continue  # rewritten or deleted since the listing: not the object we listed
+            except StoreUnavailable as exc:
+                logger.warning("could not delete the stale partial of committed chunk %d (%s); a later run "
+                               "sweeps it, harmless to the data", c, exc)
+                if should_stop is not None and should_stop():
+                    return

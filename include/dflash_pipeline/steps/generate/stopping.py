@@ -4,6 +4,10 @@ Owners:
 - `StopRequest` owns the stop: whether it was asked (an Event every thread may read or wait on),
   when, and so its absolute deadline (`stop_grace_s` after the request). Only `request()` changes
   it; it is called from the stop-signal watcher thread (stopsignal.py), never inside a handler.
+  It is the one clock of every blocking call on main (docs/liveness.md): work that only serves a
+  running worker (scans, sweeps, the breaker's fleet read: main's S3 calls go through
+  `Worker.main_store`, a `StopBoundStore`) is abandoned at `abandon_at()`, the request itself; the
+  stop's own work (commits, saves, releases, the joins below) runs to `deadline()`.
 - `Closer` runs in main, after main's loop has left: it owns the order of the end. It changes the
   protocol only through the owners' own interfaces (the claimer's and committer's stop/join, the
   Ledger's take methods, `Leases.move` with `give_up_owner` = "main", `hand_back`).
@@ -70,6 +74,16 @@ class StopRequest:
         """The absolute end of the stop (monotonic); no stop asked: never."""
         return float("inf") if self.t is None else self.t + self.grace_s
 
+    def abandon_at(self) -> float:
+        """When work that only serves a running worker (scans, sweeps, the breaker's fleet read, load
+        probes) is abandoned: at the request itself (monotonic; no stop asked: never). The stop's time
+        up to `deadline()` is for the stop's own work: commits, saving rows, releasing claims."""
+        return float("inf") if self.t is None else self.t
+
+    def left(self) -> float:
+        """Seconds to the stop's deadline (inf: no stop asked)."""
+        return max(0.0, self.deadline() - time.monotonic())
+
     def wait(self, timeout_s: float) -> bool:
         return self.event.wait(timeout_s)
 
@@ -132,6 +146,13 @@ class Closer:
         if err is not None:
             raise err
 
+    def log_stop(self) -> None:
+        """The last line of a stopped run, written by run() once everything of the stop is over
+        (threads joined or given up on by the deadline): how long the stop really took."""
+        if self.stop.requested and self.stop.t is not None:
+            logger.info("stop of worker %s took %.2fs (grace %.1fs)", self.settings.worker,
+                        time.monotonic() - self.stop.t, self.settings.stop_grace_s)
+
     def give_up(self, keep_errors: bool = True) -> None:
         s = self.settings
         started = time.monotonic()
@@ -170,6 +191,3 @@ class Closer:
                 logger.warning("worker %s: the %s could not reach S3 while stopping: %s", s.worker, name, err)
             elif err is not None:
                 logger.error("worker %s: the %s thread failed: %r", s.worker, name, err, exc_info=err)
-        if self.stop.requested:
-            logger.info("stop of worker %s took %.2fs (grace %.1fs)", s.worker,
-                        time.monotonic() - (self.stop.t or started), s.stop_grace_s)

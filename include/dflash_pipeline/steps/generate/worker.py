@@ -53,7 +53,7 @@ from typing import Any
 
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import unit_key, warm_up
-from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.dataset.store import StopCut, Store, stop_bound
 from dflash_pipeline.serving.concurrency import ConcurrencyPolicy
 from dflash_pipeline.serving.deadline import DeadlinePolicy
 from dflash_pipeline.serving.engines import DEFAULT_CAPACITY
@@ -126,10 +126,14 @@ class Worker:
         self.keeper = LeaseKeeper(self.leases, self.chunks, s.lease_s, on_lost=self._on_lost)
         self.ledger = Ledger()
         self._io = DaemonPool(3, "s3io")
-        self.scanner = Scanner(store, layout, s, self.n_chunks, self.leases, self._io)
+        self.stop = StopRequest(s.stop_grace_s)
+        # Main's S3 calls (scans, sweeps, the breaker's fleet read) are abandoned at a stop request:
+        # they only serve a running worker, and the stop's time is for saving and releasing
+        # (stopping.py). The stop path's own calls (commits, hand-backs) run to the stop's deadline.
+        self.main_store = stop_bound(store, self.stop.event, self.stop.abandon_at)
+        self.scanner = Scanner(self.main_store, layout, s, self.n_chunks, self.leases, self._io)
         self.partials = PartialWriter(store, layout)
         self.health = ServerHealth(s, session_factory, probe_every_s=max(0.2, min(1.0, s.handoff_after_s / 4)))
-        self.stop = StopRequest(s.stop_grace_s)
         self.claimer = Claimer(store=store, layout=layout, settings=s, manifest=manifest, leases=self.leases,
                                chunks=self.chunks, ledger=self.ledger, scanner=self.scanner, io=self._io,
                                demand=self._demand, failing_since=self.health.failing_since, count=self._count)
@@ -145,7 +149,7 @@ class Worker:
         self._tok_window: deque[tuple[float, int]] = deque()
         self._done_times: deque[float] = deque()
         self._full_chunk = max(self.sizes, default=0)
-        self.breaker = Breaker(store, layout, s)
+        self.breaker = Breaker(self.main_store, layout, s)
         # The in-flight limit: discovered from the server's live load, or the user's figure
         # (serving/pilot.py; its own thread probes, main and the claimer read `limit`).
         self.concurrency = concurrency_for(
@@ -442,15 +446,22 @@ class Worker:
                     self._checkpoint()
                     last_checkpoint = time.monotonic()
         except BaseException as exc:
+            self.claimer.stop()
+            self.concurrency.stop(timeout_s=0.0)  # asked to end now, waited for after the stop's work
+            pool.close()
             self.closer.give_up(keep_errors=not isinstance(exc, ServerBroken))
             self._io.close()
+            self.concurrency.stop(timeout_s=self._pilot_join_s())
+            self.closer.log_stop()
+            if isinstance(exc, StopCut) and self.stop.requested:
+                raise TaskStopped(f"worker {s.worker} stopped from outside") from exc
             raise
-        finally:
-            self.claimer.stop()
-            self.concurrency.stop()
-            pool.close()
+        self.claimer.stop()
+        self.concurrency.stop(timeout_s=self._pilot_join_s())
+        pool.close()
         self.closer.end_normally()
         self._io.close()
+        self.closer.log_stop()  # a stop that came as the dataset completed
         self._progress(force=True)
         result = self.stats.to_dict()
         control = self.concurrency.snapshot()
@@ -458,6 +469,14 @@ class Worker:
                        "concurrency": {k: control[k] for k in ("mode", "start", "slots", "limit")}})
         logger.info("worker %s done: %s", s.worker, result)
         return result
+
+    def _pilot_join_s(self) -> float:
+        """How long main may wait for the pilot's thread to end (a tick may be waiting on a load probe
+        with a 5 s timeout): 5 s, or while stopping a tenth of the time left to the stop's deadline.
+        The thread is a daemon and holds nothing to save: one given up on never delays the exit."""
+        if not self.stop.requested:
+            return 5.0
+        return min(5.0, self.stop.left() / 10)
 
     def _wait_commits(self) -> None:
         while self.ledger.committing() > 0:
