@@ -1,0 +1,127 @@
+"""Per-row speculative statistics through plan, preflight and the real Worker, against simulated
+speculating servers over HTTP and moto S3 (dev/faultlab.run_generation, as the DAG calls them).
+
+What is proved: every row of a speculating server stores its request's figures (per turn, and
+summed per row in all_turns mode), their sums plus preflight's proof requests equal what the
+server reports server-wide (vLLM `/metrics` counters; SGLang's `avg_spec_accept_length`), the
+manifest records each server's speculative config and where its figures come from, and rows of a
+server that does not speculate (or an SGLang too old to say) are null, never zero.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import requests
+
+from dflash_pipeline.config import RunConfig
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import decode_part
+from dflash_pipeline.dev.faultlab import run_generation
+from dflash_pipeline.dev.sim import SimConfig, SimFleet
+from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats, total
+from dflash_pipeline.serving.specwire import (
+    SOURCE_SGLANG_META,
+    SOURCE_SGLANG_SGLEXT,
+    SOURCE_VLLM,
+    sglang_avg_accept_length,
+    vllm_spec_counters,
+)
+
+FAST = {"token_time_s": 0.0003, "length_scale": 0.03, "max_running_requests": 6}
+DOMAINS = "primes=0.85,poem=0.3"
+
+
+def _conversations(n: int) -> bytes:
+    rows = []
+    for i in range(n):
+        topic = "primes" if i % 2 else "poem"
+        msgs: list[dict[str, str]] = []
+        for k in range(1 + i % 2):
+            msgs.append({"role": "user", "content": f"Conversation {i} about {topic}, question {k}?"})
+            msgs.append({"role": "assistant", "content": f"ORIGINAL answer {i}.{k}."})
+        rows.append({"id": f"c{i:04d}", "messages": msgs})
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+def _rows(s3: Any, cfg: RunConfig) -> list[dict[str, Any]]:
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    out: list[dict[str, Any]] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=layout.bucket, Prefix=layout.completions_prefix):
+        for obj in page.get("Contents", []):
+            out += decode_part(s3.get_object(Bucket=layout.bucket, Key=obj["Key"])["Body"].read()).to_pylist()
+    return out
+
+
+@pytest.mark.parametrize("regenerate", ["last_turn", "all_turns"])
+def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, bucket, regenerate) -> None:
+    spec = {"spec_num_draft_tokens": 3, "spec_accept_by_keyword": DOMAINS}
+    configs = [
+        SimConfig(engine="vllm", spec_algorithm="ngram", **spec, **FAST),
+        SimConfig(spec_algorithm="EAGLE3", spec_sglang_version="0.5.21", **spec, **FAST),
+        SimConfig(spec_algorithm="EAGLE3", spec_sglang_version="0.5.13", **spec, **FAST),
+        SimConfig(spec_algorithm="EAGLE3", spec_sglang_version="0.5.12", **spec, **FAST),  # cannot say
+        SimConfig(**FAST),  # does not speculate
+    ]
+    n = 120
+    with SimFleet(configs).start() as fleet:
+        tag = f"spec-{regenerate}"
+        s3_client.put_object(Bucket=bucket, Key=f"{tag}/p.jsonl", Body=_conversations(n))
+        cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/{tag}/p.jsonl", "output_uri": f"s3://{bucket}/{tag}/ds",
+                                     "servers": fleet.urls, "save_every": 20, "regenerate": regenerate})
+        outcomes = run_generation(s3_client, cfg, fleet.urls, f"{tag}-run1")
+        assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+        metrics = requests.get(fleet.urls[0] + "/metrics", timeout=10).text
+        infos = [requests.get(u + "/get_server_info", timeout=10).json() for u in fleet.urls[1:]]
+    rows = _rows(s3_client, cfg)
+    assert sorted(r["id"] for r in rows) == [f"c{i:04d}" for i in range(n)]
+    assert not [r for r in rows if r.get("error_class")]
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    manifest = json.loads(s3_client.get_object(Bucket=layout.bucket, Key=layout.manifest_key)["Body"].read())
+    entries = {e["name"]: e for e in manifest["servers"]}
+    vllm_url, new_url, meta_url, old_url, plain_url = fleet.urls
+    assert entries[vllm_url]["speculative"]["stats_source"] == SOURCE_VLLM
+    assert entries[vllm_url]["speculative"]["num_draft_tokens"] == 3
+    assert entries[new_url]["speculative"]["stats_source"] == SOURCE_SGLANG_SGLEXT
+    assert entries[meta_url]["speculative"] == {
+        "algorithm": "EAGLE3", "num_draft_tokens": 3, "engine": "sglang", "engine_version": "0.5.13",
+        "stats_source": SOURCE_SGLANG_META, "engine_args": {
+            "speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 4, "speculative_num_steps": 3,
+            "speculative_eagle_topk": 1, "speculative_draft_model_path": "sim/drafter"}}
+    assert entries[old_url]["speculative"]["stats_source"] is None
+    assert entries[plain_url]["speculative"] is None
+
+    by_server: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_server.setdefault(r["server"], []).append(r)
+    assert set(by_server) == set(fleet.urls), "every server generated rows"
+    for url in (old_url, plain_url):
+        for r in by_server[url]:
+            assert all(r[c] is None for c in (*SPEC_COLUMNS, "acceptance_length")), r
+            assert all(t[c] is None for t in r["turns"] for c in SPEC_COLUMNS)
+
+    def stats_of(url: str) -> SpecStats:
+        per_row = []
+        for r in by_server[url]:
+            row = SpecStats.from_columns(r)
+            assert row is not None and row.verify_steps > 0, r
+            turns = [SpecStats.from_columns(t) for t in r["turns"]]
+            assert row == total(turns), "the row is the sum of its turns"
+            assert r["acceptance_length"] == pytest.approx(1 + row.accepted_tokens / row.verify_steps)
+            assert row.draft_tokens == 3 * row.verify_steps
+            per_row.append(row)
+        proof = SpecStats.from_columns(entries[url]["proof"]["spec"])  # preflight's request counts too
+        return total([*per_row, proof])
+
+    vllm_sum = stats_of(vllm_url)
+    counters = vllm_spec_counters(metrics)
+    assert (counters.drafts, counters.accepted_tokens, counters.draft_tokens) == (
+        vllm_sum.verify_steps, vllm_sum.accepted_tokens, vllm_sum.draft_tokens)
+    assert list(counters.accepted_per_position) == [sum(vllm_sum.histogram[i + 1:]) for i in range(3)]
+    for url, info in zip((new_url, meta_url), infos[:2]):
+        s = stats_of(url)
+        assert sglang_avg_accept_length(info) == pytest.approx(s.acceptance_length, rel=1e-12)
+    if regenerate == "all_turns":
+        assert any(len(r["turns"]) == 2 for r in by_server[vllm_url])
