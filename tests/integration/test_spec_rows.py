@@ -125,3 +125,40 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
         assert sglang_avg_accept_length(info) == pytest.approx(s.acceptance_length, rel=1e-12)
     if regenerate == "all_turns":
         assert any(len(r["turns"]) == 2 for r in by_server[vllm_url])
+
+
+def test_validation_report_shows_acceptance_only_when_rows_have_it(s3_client, bucket) -> None:
+    """run_validation over a run from one speculating and one plain server: the acceptance section
+    counts the plain server's rows apart, its figure is the rows' token-weighted one, the domain the
+    drafter finds hard (p = 0.3) has the hardest prompts. A run from plain servers shows nothing."""
+    from dflash_pipeline.steps.validate import run_validation
+
+    spec = {"spec_num_draft_tokens": 3, "spec_accept_by_keyword": DOMAINS}
+    for tag, configs in (("val-spec", [SimConfig(spec_algorithm="EAGLE3", **spec, **FAST), SimConfig(**FAST)]),
+                         ("val-plain", [SimConfig(**FAST)])):
+        with SimFleet(configs).start() as fleet:
+            s3_client.put_object(Bucket=bucket, Key=f"{tag}/p.jsonl", Body=_conversations(200))
+            cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/{tag}/p.jsonl",
+                                         "output_uri": f"s3://{bucket}/{tag}/ds", "servers": fleet.urls,
+                                         "save_every": 25, "max_tokens": 4096})
+            outcomes = run_generation(s3_client, cfg, fleet.urls, f"{tag}-run1")
+            assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+        report = run_validation(s3_client, cfg.output_uri, plots=False)
+        layout = DatasetLayout.from_uri(cfg.output_uri)
+        md = s3_client.get_object(Bucket=layout.bucket, Key=layout.report_md_key)["Body"].read().decode()
+        section = report["acceptance"]
+        rows = _rows(s3_client, cfg)
+        if tag == "val-plain":
+            assert section["speculating"] is False and section["rows"] == 200
+            assert "not speculating" in md
+            continue
+        spec_rows = [r for r in rows if r["server"] == fleet.urls[0]]
+        assert section["rows"] == 200 and section["rows_with_stats"] == len(spec_rows)
+        assert section["rows_without_stats"] == 200 - len(spec_rows)
+        v = sum(r["spec_verify_steps"] for r in spec_rows)
+        a = sum(r["spec_accepted_tokens"] for r in spec_rows)
+        assert section["acceptance_length"] == pytest.approx(1 + a / v)
+        assert section["by"]["server"][fleet.urls[1]]["rows_with_stats"] == 0
+        poem = {r["id"] for r in spec_rows if "poem" in r["messages"][0]["content"]}
+        assert section["hardest"] and all(e["id"] in poem for e in section["hardest"])
+        assert "## speculative decoding acceptance" in md and "### hardest prompts" in md
