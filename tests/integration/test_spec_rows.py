@@ -162,3 +162,57 @@ def test_validation_report_shows_acceptance_only_when_rows_have_it(s3_client, bu
         poem = {r["id"] for r in spec_rows if "poem" in r["messages"][0]["content"]}
         assert section["hardest"] and all(e["id"] in poem for e in section["hardest"])
         assert "## speculative decoding acceptance" in md and "### hardest prompts" in md
+
+
+def test_training_rows_carry_their_turns_figures(s3_client, bucket, tmp_path) -> None:
+    """Generate (all_turns) on a speculating server and a plain one serving the sim tokenizer, then
+    tokenize: each training row (one regenerated turn) has that turn's statistics in the parquet
+    profile and its acceptance length in the speculators metadata and SpecForge's token records;
+    the plain server's training rows have null columns and no keys."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.config import TokenizeConfig
+    from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
+    from dflash_pipeline.steps.tokenize import plan, run_assignment
+    from dflash_pipeline.steps.tokenize.profiles import profile_keys
+
+    tok = build_sim_tokenizer(tmp_path / "tok")
+    common = {**FAST, "tokenizer_dir": str(tok)}
+    spec = {"spec_num_draft_tokens": 3, "spec_accept_by_keyword": DOMAINS}
+    with SimFleet([SimConfig(engine="vllm", spec_algorithm="ngram", **spec, **common),
+                   SimConfig(**common)]).start() as fleet:
+        s3_client.put_object(Bucket=bucket, Key="tok/p.jsonl", Body=_conversations(40))
+        cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/tok/p.jsonl", "output_uri": f"s3://{bucket}/tok/ds",
+                                     "servers": fleet.urls, "save_every": 10, "regenerate": "all_turns"})
+        outcomes = run_generation(s3_client, cfg, fleet.urls, "tok-run1")
+        assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    rows = {(r["id"], r["sample"]): r for r in _rows(s3_client, cfg)}
+    planned = plan(s3_client, [cfg.output_uri], TokenizeConfig(tokenizer=str(tok), min_loss_tokens=1, max_length=1 << 16))
+    for a in planned["assignments"]:
+        run_assignment(s3_client, a)
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    n_chunks = 4  # 40 rows, save_every 10
+    assert planned["datasets"][0]["parts"] == n_chunks
+    seen = {"spec": 0, "plain": 0}
+    for c in range(n_chunks):
+        keys = {p: profile_keys(p, c) for p in ("parquet", "speculators", "specforge")}
+        get = lambda k: s3_client.get_object(Bucket=bucket, Key=layout.key(k))["Body"].read()  # noqa: E731
+        table = pq.read_table(io.BytesIO(get(keys["parquet"]["rows"]))).to_pylist()
+        spec_lines = [json.loads(x) for x in get(keys["speculators"]["tokens"]).decode().splitlines()]
+        sf_lines = [json.loads(x) for x in get(keys["specforge"]["tokens"]).decode().splitlines()]
+        for t, sp, sf in zip(table, spec_lines, sf_lines):
+            row = rows[(t["id"], t["sample"])]
+            turn = row["turns"][t["turn"]]  # all_turns: every assistant turn is regenerated, in order
+            assert [t[c] for c in SPEC_COLUMNS] == [turn[c] for c in SPEC_COLUMNS]
+            if row["server"] == fleet.urls[0]:
+                seen["spec"] += 1
+                assert t["acceptance_length"] == pytest.approx(1 + turn["spec_accepted_tokens"] / turn["spec_verify_steps"])
+                assert sp["metadata"]["acceptance_length"] == t["acceptance_length"] == sf["acceptance_length"]
+                assert sp["metadata"]["spec_verify_steps"] == t["spec_verify_steps"]
+            else:
+                seen["plain"] += 1
+                assert t["acceptance_length"] is None and "acceptance_length" not in sp["metadata"]
+                assert "acceptance_length" not in sf
+    assert seen["spec"] > 10 and seen["plain"] > 10, seen

@@ -52,11 +52,13 @@ TRAINING_ROW_SCHEMA = TOKENIZED_SCHEMA
 """The training rows the tokenizer produces per completions part (one row per trained assistant turn;
 exact.py says what each column is)."""
 
+_HF_DTYPES = {"bool": "bool", "double": "float64"}  # pyarrow's names where `datasets` spells them differently
+
 # Hugging Face `datasets` features of TRAINING_ROW_SCHEMA, in the form datasets 5.x writes
 # (`Features.to_dict()`); the Parquet profile's schema metadata and the dataset card declare them.
 HF_FEATURES: dict[str, Any] = {
     name: ({"feature": {"dtype": str(t.value_type), "_type": "Value"}, "_type": "List"}
-           if pa.types.is_list(t) else {"dtype": "bool" if pa.types.is_boolean(t) else str(t), "_type": "Value"})
+           if pa.types.is_list(t) else {"dtype": _HF_DTYPES.get(str(t), str(t)), "_type": "Value"})
     for name, t in zip(TRAINING_ROW_SCHEMA.names, TRAINING_ROW_SCHEMA.types)
 }
 
@@ -151,13 +153,26 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 
 def specforge_tokens_jsonl(table: pa.Table) -> bytes:
-    """SpecForge's pre-tokenized records: ``{"id", "input_ids", "loss_mask"}``, one line per row."""
+    """SpecForge's pre-tokenized records: ``{"id", "input_ids", "loss_mask"}`` and the trained turn's
+    ``acceptance_length`` when its server reported it (left out otherwise; SpecForge 0.2.0's prompt_builder
+    reads only ``input_ids`` and ``loss_mask``), one line per row."""
     _check_table(table)
     keys = table.column("key").to_pylist()
     ids = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
-    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m}) + "\n"
-                   for k, i, m in zip(keys, ids, masks)).encode()
+    accept = table.column("acceptance_length").to_pylist()
+    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m, **_spec_keys(al)}) + "\n"
+                   for k, i, m, al in zip(keys, ids, masks, accept)).encode()
+
+
+def _spec_keys(acceptance_length: float | None, verify_steps: int | None = None) -> dict[str, Any]:
+    """The spec keys a JSONL row carries: none when its turn has no statistics (files stay as before)."""
+    if acceptance_length is None:
+        return {}
+    out: dict[str, Any] = {"acceptance_length": acceptance_length}
+    if verify_steps is not None:
+        out["spec_verify_steps"] = verify_steps
+    return out
 
 
 def speculators_jsonl(table: pa.Table) -> bytes:
@@ -177,7 +192,8 @@ def speculators_jsonl(table: pa.Table) -> bytes:
             "metadata": {"sample": sample, "turn": cols["turn"][i], "finish_reason": cols["finish_reason"][i],
                          "ids_source": cols["ids_source"][i],
                          "truncated_to_max_length": cols["truncated_to_max_length"][i],
-                         "num_tokens": cols["num_tokens"][i], "num_loss_tokens": cols["num_loss_tokens"][i]},
+                         "num_tokens": cols["num_tokens"][i], "num_loss_tokens": cols["num_loss_tokens"][i],
+                         **_spec_keys(cols["acceptance_length"][i], cols["spec_verify_steps"][i])},
         }) + "\n")
     return "".join(lines).encode()
 
