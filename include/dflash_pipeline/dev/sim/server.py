@@ -185,6 +185,8 @@ class SimConfig:
     """The SGLang release whose fields to emit and report in /get_server_info (None: SIM_VERSION)."""
     spec_per_request_metrics: str = "summary"
     """vLLM's --per-request-spec-decode-metrics: none | summary | detailed."""
+    enable_metrics: bool = False
+    """SGLang's --enable-metrics: the SGLang flavour serves /metrics (`sglang:spec_verify_calls_total`)."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -572,6 +574,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
+        "/metrics": "_sglang_metrics",
     }
     POST_ROUTES = {
         "/v1/chat/completions": "_chat",
@@ -725,6 +728,14 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
 
     def _server_info(self, _body: bytes) -> None:
         self._send_json(200, self.sim.server_info())
+
+    def _sglang_metrics(self, _body: bytes) -> None:
+        """SGLang serves /metrics only with --enable-metrics (SimConfig.enable_metrics); spec_sglang.py."""
+        if not self.sim.config.enable_metrics:
+            self._send_json(404, {"detail": "Not Found"})
+            return
+        text = spec_sglang.metrics_text(self.sim.config.served_model_name, self.sim.spec_counters)
+        self._send(200, text.encode(), content_type=vllm_wire.METRICS_CONTENT_TYPE)
 
     def _get_load(self, _body: bytes) -> None:
         """SGLang's deprecated `/get_load` (served up to 0.5.20)."""
@@ -1181,7 +1192,7 @@ class SimServer:
             "schedule_policy": "fcfs",
             "chunked_prefill_size": 8192,
             "skip_server_warmup": False,
-            "enable_metrics": False,
+            "enable_metrics": config.enable_metrics,
             "version": config.spec_sglang_version or SIM_VERSION,
             "internal_states": [{"max_total_num_tokens": config.max_total_num_tokens,
                                  "last_gen_throughput": throughput,
