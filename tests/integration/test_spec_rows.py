@@ -159,8 +159,13 @@ def test_validation_report_shows_acceptance_only_when_rows_have_it(s3_client, bu
         a = sum(r["spec_accepted_tokens"] for r in spec_rows)
         assert section["acceptance_length"] == pytest.approx(1 + a / v)
         assert section["by"]["server"][fleet.urls[1]]["rows_with_stats"] == 0
-        poem = {r["id"] for r in spec_rows if "poem" in r["messages"][0]["content"]}
-        assert section["hardest"] and all(e["id"] in poem for e in section["hardest"])
+        # The hardest list ranks every eligible row of the hard domain first (which rows went to the
+        # speculating server depends on dispatch timing, so count them).
+        poem = {r["id"] for r in spec_rows if "poem" in r["messages"][0]["content"]
+                and r["spec_verify_steps"] >= section["hardest_min_steps"]}
+        hardest = [e["id"] for e in section["hardest"]]
+        n = min(len(poem), len(hardest))
+        assert n >= 5 and set(hardest[:n]) <= poem, (len(poem), hardest)
         assert "## speculative decoding acceptance" in md and "### hardest prompts" in md
 
 

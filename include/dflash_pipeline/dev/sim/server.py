@@ -554,7 +554,7 @@ class _HTTPServer(ThreadingHTTPServer):
         logger.debug("connection error from %s", client_address, exc_info=True)
 
 
-class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
+class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseHTTPRequestHandler):
     """HTTP/1.1 keep-alive handler speaking SGLang's endpoints."""
 
     protocol_version = "HTTP/1.1"
@@ -728,14 +728,6 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
 
     def _server_info(self, _body: bytes) -> None:
         self._send_json(200, self.sim.server_info())
-
-    def _sglang_metrics(self, _body: bytes) -> None:
-        """SGLang serves /metrics only with --enable-metrics (SimConfig.enable_metrics); spec_sglang.py."""
-        if not self.sim.config.enable_metrics:
-            self._send_json(404, {"detail": "Not Found"})
-            return
-        text = spec_sglang.metrics_text(self.sim.config.served_model_name, self.sim.spec_counters)
-        self._send(200, text.encode(), content_type=vllm_wire.METRICS_CONTENT_TYPE)
 
     def _get_load(self, _body: bytes) -> None:
         """SGLang's deprecated `/get_load` (served up to 0.5.20)."""
@@ -1036,9 +1028,7 @@ class SimServer:
             else self.config.seed
         self._fault_rng = random.Random(f"sim-faults:{fault_seed}")
         self.conversations = ConversationModel()
-        k = int(self.config.spec_num_draft_tokens)
-        self.spec_counters: spec_drafter.SpecCounters | None = (
-            spec_drafter.SpecCounters(k, per_position=[0] * k) if self.config.spec_algorithm else None)
+        self.spec_counters = spec_drafter.new_counters(self.config)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1205,16 +1195,7 @@ class SimServer:
     def spec_draw(self, messages: list[Any], completion_tokens: int,
                   request_seed: int | None) -> spec_drafter.Drafted | None:
         """One answered request's speculative decoding (None when not speculating), counted."""
-        config = self.config
-        if not config.spec_algorithm:
-            return None
-        drafted = spec_drafter.draw(config, messages, completion_tokens, request_seed)
-        with self._sched.cv:
-            if self.spec_counters is None or self.spec_counters.k != config.spec_num_draft_tokens:
-                k = int(config.spec_num_draft_tokens)
-                self.spec_counters = spec_drafter.SpecCounters(k, per_position=[0] * k)
-        self.spec_counters.add(drafted)
-        return drafted
+        return spec_drafter.draw_and_count(self, messages, completion_tokens, request_seed)
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks: busy slot-seconds and output tokens give ideal throughput."""

@@ -125,3 +125,17 @@ def metrics_text(model: str, counters: SpecCounters | None) -> str:
     if snap and snap["drafts"] > 0:
         lines.append(f'sglang:spec_verify_calls_total{{model_name="{model}"}} {float(snap["drafts"])}')
     return "\n".join(lines) + "\n"
+
+
+class SglangMetricsEndpoint:
+    """The SGLang flavour's `/metrics` handler (mixed into the simulator's handler): served only with
+    `SimConfig.enable_metrics` (SGLang's --enable-metrics), FastAPI's 404 otherwise."""
+
+    sim: Any
+
+    def _sglang_metrics(self, _body: bytes) -> None:
+        if not self.sim.config.enable_metrics:
+            self._send_json(404, {"detail": "Not Found"})  # type: ignore[attr-defined]
+            return
+        text = metrics_text(self.sim.config.served_model_name, self.sim.spec_counters)
+        self._send(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")  # type: ignore[attr-defined]
