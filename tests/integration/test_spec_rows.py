@@ -64,6 +64,7 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
         SimConfig(spec_algorithm="EAGLE3", spec_sglang_version="0.5.13", **spec, **FAST),
         SimConfig(spec_algorithm="EAGLE3", spec_sglang_version="0.5.12", **spec, **FAST),  # cannot say
         SimConfig(**FAST),  # does not speculate
+        SimConfig(engine="vllm", spec_algorithm="ngram", spec_per_request_metrics="none", **spec, **FAST),
     ]
     n = 120
     with SimFleet(configs).start() as fleet:
@@ -81,7 +82,7 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
     layout = DatasetLayout.from_uri(cfg.output_uri)
     manifest = json.loads(s3_client.get_object(Bucket=layout.bucket, Key=layout.manifest_key)["Body"].read())
     entries = {e["name"]: e for e in manifest["servers"]}
-    vllm_url, new_url, meta_url, old_url, plain_url = fleet.urls
+    vllm_url, new_url, meta_url, old_url, plain_url, quiet_url = fleet.urls
     assert entries[vllm_url]["speculative"]["stats_source"] == SOURCE_VLLM
     assert entries[vllm_url]["speculative"]["num_draft_tokens"] == 3
     assert entries[new_url]["speculative"]["stats_source"] == SOURCE_SGLANG_SGLEXT
@@ -92,12 +93,15 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
             "speculative_eagle_topk": 1, "speculative_draft_model_path": "sim/drafter"}}
     assert entries[old_url]["speculative"]["stats_source"] is None
     assert entries[plain_url]["speculative"] is None
+    # vLLM without --per-request-spec-decode-metrics: it speculates (its /metrics says so), no figures.
+    assert entries[quiet_url]["speculative"]["stats_source"] is None
+    assert entries[quiet_url]["speculative"]["num_draft_tokens"] == 3
 
     by_server: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_server.setdefault(r["server"], []).append(r)
     assert set(by_server) == set(fleet.urls), "every server generated rows"
-    for url in (old_url, plain_url):
+    for url in (old_url, plain_url, quiet_url):
         for r in by_server[url]:
             assert all(r[c] is None for c in (*SPEC_COLUMNS, "acceptance_length")), r
             assert all(t[c] is None for t in r["turns"] for c in SPEC_COLUMNS)
