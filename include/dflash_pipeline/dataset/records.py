@@ -74,6 +74,11 @@ PART_SCHEMA = pa.schema(
         ("turns", pa.list_(TURN_TYPE)),
         ("cut_short", pa.string()),
         ("cached_tokens", pa.int64()),
+        # The token ids the engine used, one list per regenerated turn (aligned with `turns`); a
+        # turn's entry is null when its engine did not return ids (then tokenization re-encodes the
+        # text and checks it against `turns`' token counts). Training rows are built from these.
+        ("prompt_token_ids", pa.list_(TOKEN_IDS_TYPE)),
+        ("output_token_ids", pa.list_(TOKEN_IDS_TYPE)),
         # Speculative decoding summed over the row's turns (null as for a turn) and its acceptance
         # length, 1 + accepted / verify steps (serving/specstats.py).
         ("spec_verify_steps", pa.int64()),
@@ -81,11 +86,6 @@ PART_SCHEMA = pa.schema(
         ("spec_draft_tokens", pa.int64()),
         ("spec_accept_histogram", pa.list_(pa.int64())),
         ("acceptance_length", pa.float64()),
-        # The token ids the engine used, one list per regenerated turn (aligned with `turns`); a
-        # turn's entry is null when its engine did not return ids (then tokenization re-encodes the
-        # text and checks it against `turns`' token counts). Training rows are built from these.
-        ("prompt_token_ids", pa.list_(TOKEN_IDS_TYPE)),
-        ("output_token_ids", pa.list_(TOKEN_IDS_TYPE)),
     ]
 )
 
