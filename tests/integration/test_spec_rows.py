@@ -71,7 +71,7 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
         tag = f"spec-{regenerate}"
         s3_client.put_object(Bucket=bucket, Key=f"{tag}/p.jsonl", Body=_conversations(n))
         cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/{tag}/p.jsonl", "output_uri": f"s3://{bucket}/{tag}/ds",
-                                     "servers": fleet.urls, "save_every": 20, "regenerate": regenerate})
+                                     "servers": fleet.urls, "save_every": 5, "regenerate": regenerate})
         outcomes = run_generation(s3_client, cfg, fleet.urls, f"{tag}-run1")
         assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
         metrics = requests.get(fleet.urls[0] + "/metrics", timeout=10).text
@@ -192,7 +192,7 @@ def test_training_rows_carry_their_turns_figures(s3_client, bucket, tmp_path) ->
     spec = {"spec_num_draft_tokens": 3, "spec_accept_by_keyword": DOMAINS}
     with SimFleet([SimConfig(engine="vllm", spec_algorithm="ngram", **spec, **common),
                    SimConfig(**common)]).start() as fleet:
-        s3_client.put_object(Bucket=bucket, Key="tok/p.jsonl", Body=_conversations(40))
+        s3_client.put_object(Bucket=bucket, Key="tok/p.jsonl", Body=_conversations(60))
         cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/tok/p.jsonl", "output_uri": f"s3://{bucket}/tok/ds",
                                      "servers": fleet.urls, "save_every": 10, "regenerate": "all_turns"})
         outcomes = run_generation(s3_client, cfg, fleet.urls, "tok-run1")
@@ -202,7 +202,7 @@ def test_training_rows_carry_their_turns_figures(s3_client, bucket, tmp_path) ->
     for a in planned["assignments"]:
         run_assignment(s3_client, a)
     layout = DatasetLayout.from_uri(cfg.output_uri)
-    n_chunks = 4  # 40 rows, save_every 10
+    n_chunks = 6  # 60 rows, save_every 10
     assert planned["datasets"][0]["parts"] == n_chunks
     seen = {"spec": 0, "plain": 0}
     for c in range(n_chunks):
@@ -224,4 +224,4 @@ def test_training_rows_carry_their_turns_figures(s3_client, bucket, tmp_path) ->
                 seen["plain"] += 1
                 assert t["acceptance_length"] is None and "acceptance_length" not in sp["metadata"]
                 assert "acceptance_length" not in sf
-    assert seen["spec"] > 10 and seen["plain"] > 10, seen
+    assert seen["spec"] and seen["plain"], seen  # which server takes which chunk is dispatch's choice
