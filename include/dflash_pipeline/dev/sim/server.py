@@ -47,7 +47,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, spec_drafter, spec_sglang, spec_vllm, tokens, vllm_wire
+from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
+from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
