@@ -48,8 +48,8 @@ from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
 from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
-from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
 from dflash_pipeline.dev.sim.conversation import ConversationModel
+from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
 
 logger = logging.getLogger(__name__)
 
