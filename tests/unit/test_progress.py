@@ -226,6 +226,7 @@ def test_a_later_try_carries_the_earlier_tries_totals_and_history() -> None:
 def test_worker_snapshot_separates_done_from_submitted() -> None:
     from dflash_pipeline.config import Sampling
     from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
     from dflash_pipeline.serving.sglang import ServerSpec
     from dflash_pipeline.steps.generate import OpenChunk, Worker, WorkerSettings
 
@@ -233,7 +234,8 @@ def test_worker_snapshot_separates_done_from_submitted() -> None:
                               model="m", sampling=Sampling(), concurrency=8, try_number=2)
     assert settings.progress_every_s == 10.0
     got: list[dict[str, Any]] = []
-    worker = Worker(None, DatasetLayout("b", "ds"), {"chunks": {"sizes": [4, 4, 2]}, "plan_id": "p"},  # type: ignore[arg-type]
+    # A Store with no client: the snapshot must never call S3 (an S3 call would raise here).
+    worker = Worker(Store(None, "b"), DatasetLayout("b", "ds"), {"chunks": {"sizes": [4, 4, 2]}, "plan_id": "p"},
                     settings, on_progress=got.append)
     worker.scanner.mark_done(0)
     chunk = OpenChunk(1, None, [{"id": str(i)} for i in range(4)], results={"0": {}, "1": {}})

@@ -176,13 +176,14 @@ def test_a_worker_reports_often_early_and_every_interval_later(elapsed: float, e
 
     from dflash_pipeline.config import Sampling
     from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
     from dflash_pipeline.serving.sglang import ServerSpec
     from dflash_pipeline.steps.generate import Worker, WorkerSettings
 
     settings = WorkerSettings(run_id=RUN, worker="w0000", server=ServerSpec("gpu0", "http://gpu0:30000"),
                               model="m", sampling=Sampling(), concurrency=8)
-    worker = Worker(None, DatasetLayout("b", "ds"), {"chunks": {"sizes": [4]}, "plan_id": "p"},  # type: ignore[arg-type]
-                    settings)
+    # A Store with no client: reporting must never call S3.
+    worker = Worker(Store(None, "b"), DatasetLayout("b", "ds"), {"chunks": {"sizes": [4]}, "plan_id": "p"}, settings)
     worker.stats.started_t = time.monotonic() - elapsed
     assert worker._progress_interval() == pytest.approx(expected, abs=0.05)
 
