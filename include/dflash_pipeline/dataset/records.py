@@ -26,6 +26,12 @@ TURN_TYPE = pa.struct(
         ("reasoning_tokens", pa.int64()),
         ("cached_tokens", pa.int64()),
         ("latency_s", pa.float64()),
+        # The turn's speculative decoding, null when its server does not speculate or does not say
+        # (serving/specstats.py defines them; serving/specwire.py reads them from each engine).
+        ("spec_verify_steps", pa.int64()),
+        ("spec_accepted_tokens", pa.int64()),
+        ("spec_draft_tokens", pa.int64()),
+        ("spec_accept_histogram", pa.list_(pa.int64())),
     ]
 )
 
@@ -73,6 +79,13 @@ PART_SCHEMA = pa.schema(
         # text and checks it against `turns`' token counts). Training rows are built from these.
         ("prompt_token_ids", pa.list_(TOKEN_IDS_TYPE)),
         ("output_token_ids", pa.list_(TOKEN_IDS_TYPE)),
+        # Speculative decoding summed over the row's turns (null as for a turn) and its acceptance
+        # length, 1 + accepted / verify steps (serving/specstats.py).
+        ("spec_verify_steps", pa.int64()),
+        ("spec_accepted_tokens", pa.int64()),
+        ("spec_draft_tokens", pa.int64()),
+        ("spec_accept_histogram", pa.list_(pa.int64())),
+        ("acceptance_length", pa.float64()),
     ]
 )
 

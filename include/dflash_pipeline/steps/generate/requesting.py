@@ -37,7 +37,7 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
     def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
         """One turn: its own retries; a timeout is retried once, never regenerated max_attempts times."""
         body = build_chat_body(messages, s.model, s.sampling, prompt["id"], sample=int(prompt.get("sample") or 0),
-                               engine=s.engine)
+                               engine=s.engine, spec_fields=dict(s.spec_request))
         timeouts = 0
         for attempt in range(1, s.max_attempts + 1):
             out.attempts += 1
