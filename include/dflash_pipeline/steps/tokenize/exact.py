@@ -104,6 +104,7 @@ class TokenizeSettings:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     format: int = SETTINGS_FORMAT
+    heldout_uri: str | None = None  # ids refused on top of the manifest's split (steps/tokenize/heldout.py)
 
     def __post_init__(self) -> None:
         if self.train_turns not in TRAIN_TURNS:

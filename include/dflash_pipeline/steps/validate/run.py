@@ -32,6 +32,10 @@ from dflash_pipeline.steps.validate.report import (
     report_markdown,
     side_file_keys,
 )
+from dflash_pipeline.steps.validate.breakdown import READ_COLUMNS as LABEL_READ_COLUMNS
+from dflash_pipeline.steps.validate.breakdown import LabelTally
+from dflash_pipeline.steps.validate.breakdown import markdown as label_markdown
+from dflash_pipeline.steps.validate.breakdown import report_fields as label_report_fields
 from dflash_pipeline.steps.validate.tally import LIST_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -127,7 +131,8 @@ def run_validation(
     thinking = bool(manifest["pinned"]["sampling"]["enable_thinking"])
 
     recounter = None
-    columns = list(PART_READ_COLUMNS)
+    columns = list(PART_READ_COLUMNS) + [c for c in LABEL_READ_COLUMNS if c not in PART_READ_COLUMNS]
+    labels = LabelTally()
     if tokenizer:
         from dflash_pipeline.steps.validate.tokencount import load_recounter
 
@@ -181,6 +186,7 @@ def run_validation(
                     pending.append(pool.submit(fetch, nxt))
                 if table is not None:
                     _ensure_marker(store, layout, c, table, c in markers)
+                    labels.add(table)
                 v.add_chunk(planned_ids, table)
                 if c and c % 500 == 0:
                     logger.info("validated %d of %d chunks (%d rows) in %.0fs", c, len(sizes), t.completions + t.errors,
@@ -208,12 +214,13 @@ def run_validation(
         files["plots"] = [pkeys[n] for n in pngs]
 
     report = build_report(t, manifest, layout, thresholds, files)
+    report.update(label_report_fields(labels, manifest))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     with_retries(
         lambda: store.put(layout.report_key, json.dumps(report, indent=1).encode(), content_type="application/json"),
         what="write report",
     )
-    md = report_markdown(report)
+    md = report_markdown(report) + label_markdown(report)
     with_retries(lambda: store.put(layout.report_md_key, md.encode(), content_type="text/markdown"), what="write report.md")
     logger.info("report for %s:\n%s", layout.uri, md)
     logger.info(
