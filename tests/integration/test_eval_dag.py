@@ -152,7 +152,7 @@ def test_ranking_and_every_domain_within_its_interval_of_the_truth(eval_run) -> 
     conditions = [c["name"] for c in report["conditions"]]
     assert conditions == ["sampled_think-on_c1", "sampled_think-on_cprod", "greedy_think-on_c1", "greedy_think-on_cprod"]
     assert report["headline_condition"] == "greedy_think-on_c1"
-    misses = []
+    misses: dict[tuple[str, str], str] = {}
     for cond in conditions:
         assert [e["drafter"] for e in report["rankings"][cond]] == ["strong", "weak"], cond
         for drafter in DRAFTERS:
@@ -163,14 +163,22 @@ def test_ranking_and_every_domain_within_its_interval_of_the_truth(eval_run) -> 
             for domain, d in fig["by_domain"].items():
                 t = truth(drafter, domain)
                 assert d["rows"] == N_PER_DOMAIN and d["ci_low"] < d["ci_high"]
+                se = (d["ci_high"] - d["ci_low"]) / (2 * 1.96)
+                assert abs(d["acceptance_length"] - t) <= 4 * se, (drafter, cond, domain, d, t)
                 if not d["ci_low"] <= t <= d["ci_high"]:
-                    misses.append(f"{drafter}/{cond}/{domain}: truth {t:.3f} outside "
-                                  f"[{d['ci_low']:.3f}, {d['ci_high']:.3f}] (point {d['acceptance_length']:.3f})")
+                    misses[(drafter, domain)] = (f"{drafter}/{domain}: truth {t:.3f} outside [{d['ci_low']:.3f}, "
+                                                 f"{d['ci_high']:.3f}] (point {d['acceptance_length']:.3f})")
             assert len(fig["acceptance"]["per_position"]) == K
             assert len(fig["acceptance"]["histogram"]) == K + 1
-    # 2 drafters x 4 conditions x 3 domains = 24 nominal-95% intervals: all covering is the check of the
-    # whole chain (sim -> wire -> rows -> bootstrap); the sim's draws are seeded, so this is deterministic.
-    assert not misses, misses
+    # Known truth, through the whole chain (sim -> wire -> rows -> bootstrap). The simulated drafter's
+    # draws are seeded by the request (not by temperature or concurrency), so the 4 conditions repeat one
+    # sample: 6 independent (drafter, domain) cells of 30 rows, each with a nominal 95% interval. Every
+    # point is within 4 standard errors of its truth (a wrong figure: a parse error, per-row means, draft
+    # tokens taken for accepted ones, moves a domain by far more), and at most one cell's interval misses
+    # the truth: BCa over 30 rows covers 92% on this drafter (serving/specstats.bootstrap_ci, 300
+    # repetitions), so 6 cells all covering is expected only ~60% of the time; with this seed one cell
+    # (strong/math, point 3.524 against 3.439) is outside its 95% interval.
+    assert len(misses) <= 1, sorted(misses.values())
     base = report["groups"]["base"]["greedy_think-on_c1"]["acceptance"]
     assert base["acceptance_length"] is None and base["rows_without_stats"] == base["rows"] == 3 * N_PER_DOMAIN
 
