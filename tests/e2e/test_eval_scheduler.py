@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -64,6 +65,23 @@ def test_triggered_eval_succeeds_with_report_and_asset_event(airflow_stack: Airf
     extra = events[0]["extra"]
     assert extra["report_key"] == "evals/e2e/report.json" and extra["ranking"] == ["good", "poor"]
     assert extra["drafters"]["good"]["acceptance_length"] > extra["drafters"]["poor"]["acceptance_length"]
+
+    # the progress page: the eval root shows the report and links each (group, condition) dataset, whose
+    # own view shows its progress (the generate dataset's manifest, parts and the servers' progress objects)
+    path = f"/dflash/api/runs/{quote(DAG, safe='')}/{quote(run_id, safe='')}"
+    root = airflow_stack.rest("GET", path)
+    assert root.status_code == 200, root.text[:500]
+    view = root.json()
+    assert view["report"]["status"] == "complete" and [p["name"] for p in view["plot_urls"]] == ["report-acceptance.png"]
+    datasets = [f"{g}/{c}" for g in ("poor", "good", "base") for c in ("sampled_think-on_c1", "greedy_think-on_c1")]
+    assert view["datasets"] == datasets
+    one = airflow_stack.rest("GET", path, params={"dataset": "good/greedy_think-on_c1"})
+    assert one.status_code == 200, one.text[:500]
+    progress = one.json()["progress"]
+    assert progress["prompts_total"] == progress["completions"] == 24
+    assert progress["chunks_committed"] == progress["chunks_total"] == 2
+    assert one.json()["output_uri"] == f"s3://{bucket}/evals/e2e/good/greedy_think-on_c1"
+    assert airflow_stack.rest("GET", path, params={"dataset": "../x"}).status_code == 404
 
 
 def test_bad_drafters_are_refused_by_the_cli_before_a_run_exists(airflow_stack: AirflowStack, bucket: str) -> None:
