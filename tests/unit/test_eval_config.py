@@ -52,7 +52,8 @@ def test_good_conf_builds_groups_in_order_with_the_baseline_last() -> None:
     ({"concurrency": []}, "concurrency"),
     ({"thinking_modes": ["maybe"]}, "thinking_modes"),
     ({"max_tokens": 0}, "max_tokens: 0 is less than the minimum of 1"),
-    ({"output_uri": "s3://bk1/bench"}, "must not overlap the prompt source"),
+    ({"output_uri": "s3://bk1/bench"}, "must not be or contain the prompt source"),
+    ({"prompts_uri": ..., "dataset_uri": "s3://bk1/evals/e1"}, "must not be or contain the prompt source"),
     ({"output_uri": "/tmp/x"}, "output_uri"),
     ({"confidence": 1.0}, "confidence"),
     ({"servers": ["http://x"]}, "unknown conf key(s) ['servers']"),
@@ -80,6 +81,11 @@ def test_the_param_schemas_refuse_what_airflow_would(name: str, value: Any) -> N
     good = EVAL_PARAM_SCHEMAS[name].get("default")
     if good is not None:
         jsonschema.validate(good, schema)
+
+
+def test_an_eval_root_may_live_under_its_dataset() -> None:
+    cfg = EvalConfig.from_params(conf(prompts_uri=..., dataset_uri="s3://bk1/ds/d1", output_uri="s3://bk1/ds/d1/evals/e1"))
+    assert cfg.dataset_uri == "s3://bk1/ds/d1" and cfg.prompts_uri is None
 
 
 def test_conditions_expand_sampling_thinking_concurrency() -> None:

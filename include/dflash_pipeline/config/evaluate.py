@@ -285,9 +285,10 @@ class EvalConfig:
             src = parse_s3_uri(dataset_uri or prompts_uri, what="dataset_uri" if dataset_uri else "prompts_uri")
         except UriError as exc:
             raise ConfigError(str(exc)) from exc
-        if src.bucket == out.bucket and (src.key == out.key or src.key.startswith(out.key + "/")
-                                          or out.key.startswith(src.key + "/")):
-            raise ConfigError(f"output_uri s3://{out.bucket}/{out.key} must not overlap the prompt source "
+        # The eval root may live under a dataset root (its keys never collide with a dataset's), but the
+        # prompts may not live under the eval root, nor the eval root be the dataset itself.
+        if src.bucket == out.bucket and (src.key == out.key or src.key.startswith(out.key + "/")):
+            raise ConfigError(f"output_uri s3://{out.bucket}/{out.key} must not be or contain the prompt source "
                               f"s3://{src.bucket}/{src.key}")
         groups = [parse_group(d, f"drafters[{i}]", baseline=False)
                   for i, d in enumerate(_as_list(params["drafters"], "drafters"))]
