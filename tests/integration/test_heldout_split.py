@@ -112,6 +112,14 @@ def test_plan_writes_the_heldout_prompts_and_pins_the_split(s3_client: Any, buck
     with pytest.raises(PlanError, match="input.heldout.etag"):
         run_plan(s3_client, cfg, "r4")
 
+    # A plan of another split that finds this root's held-out file (its manifest not yet written: a race,
+    # or a plan that stopped before its manifest) refuses to replace it.
+    s3_client.delete_object(Bucket=bucket, Key=layout.manifest_key)
+    with pytest.raises(PlanError, match="already holds other held-out prompts"):
+        run_plan(s3_client, RunConfig.from_params({**params, "heldout_fraction": 0.3, "heldout_uri": None}), "r6")
+    assert [p.id for p in iter_prompt_file(io.BytesIO(_get(s3_client, bucket, entry["key"])), entry["key"])] == \
+        [p.id for p in back]  # type: ignore[union-attr]
+
     # A root planned before the split existed keeps matching a run without one (the pin is left out).
     plain = RunConfig.from_params({**params, "output_uri": f"s3://{bucket}/plain", "heldout_fraction": 0.0,
                                    "heldout_uri": None})

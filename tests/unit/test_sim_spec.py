@@ -124,3 +124,16 @@ def test_drafter_truth_per_domain_and_determinism():
     assert spec_drafter.draw(cfg, [{"role": "user", "content": "x"}], 1, 7).verify_steps == 0
     with pytest.raises(ValueError):
         spec_drafter.parse_keyword_map("math")
+
+
+def test_sglang_metrics_only_with_enable_metrics_and_verify_calls_sum_the_answers():
+    with SimServer(**FAST, spec_algorithm="EAGLE3") as s:
+        assert requests.get(s.url + "/metrics", timeout=10).status_code == 404
+    with SimServer(**FAST, spec_algorithm="EAGLE3", enable_metrics=True) as s:
+        text = requests.get(s.url + "/metrics", timeout=10).text
+        assert "sglang:spec_verify_calls_total{" not in text  # no request verified yet
+        got = [spec_stats_of(_ask(s, f"q {i}", return_spec_tokens_details=True)) for i in range(4)]
+        line = [x for x in requests.get(s.url + "/metrics", timeout=10).text.splitlines()
+                if x.startswith("sglang:spec_verify_calls_total{")]
+        assert float(line[0].rsplit(" ", 1)[1]) == sum(g.verify_steps for g in got)
+        assert requests.get(s.url + "/get_server_info", timeout=10).json()["enable_metrics"] is True

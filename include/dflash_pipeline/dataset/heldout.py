@@ -11,7 +11,7 @@ a different salt draws an independent split. Plan writes the held-out prompts to
 `heldout/prompts.jsonl.gz` under the dataset root (in the input format, readable back as a
 `prompts_uri`) and records the split in the manifest; tokenize refuses any held-out id it meets.
 
-Nothing here talks to S3: callers hand in byte streams.
+`load_split` and `write_heldout` are plan's S3 reads and writes of the split; the rest is pure.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import (
     Prompt,
     PromptFileError,
@@ -32,8 +33,13 @@ from dflash_pipeline.dataset.prompts import (
     iter_prompt_file,
     normalize_row,
 )
+from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 
 DEFAULT_SALT = "dflash-heldout"
+
+
+class HeldoutError(ValueError):
+    """The held-out file cannot be used (missing, unreadable, names no id)."""
 MAX_FRACTION = 0.5
 _SCALE = float(1 << 64)
 
@@ -169,3 +175,56 @@ class HeldoutWriter:
 def iter_heldout_prompts(data: bytes, key: str) -> Iterator[Prompt | Reject]:
     """The held-out file read back with the prompt reader (the eval's way in)."""
     yield from iter_prompt_file(io.BytesIO(data), key)
+
+
+def load_split(client: Any, heldout_uri: str | None, fraction: float, salt: str) -> tuple[HeldoutSplit, str | None]:
+    """A run's held-out split and the ETag of its held-out file (None without one)."""
+    if heldout_uri is None:
+        return HeldoutSplit(fraction, salt), None
+    src = parse_s3_uri(heldout_uri, what="heldout_uri")
+    store = Store(client, src.bucket)
+    got = with_retries(lambda: store.get(src.key), what="read heldout_uri")
+    if got is None:
+        raise HeldoutError(f"heldout_uri {heldout_uri} does not exist")
+    try:
+        ids = read_heldout_ids(io.BytesIO(got[0]), src.key)
+    except (PromptFileError, UnicodeDecodeError) as exc:
+        raise HeldoutError(f"heldout_uri {heldout_uri}: {exc}") from exc
+    if not ids:
+        raise HeldoutError(f"heldout_uri {heldout_uri} names no id")
+    return HeldoutSplit(fraction, salt, ids, heldout_uri), got[1]
+
+
+def write_heldout(store: Store, layout: DatasetLayout, split: HeldoutSplit, writer: HeldoutWriter,
+                  count: int) -> dict[str, Any] | None:
+    """Write the held-out prompts (before the manifest, whose entry points at them); None without a split.
+
+    The bytes are a function of the input and the split, so a retried or racing plan of the same split
+    finds the same object; one of another split is refused; `named_not_found` counts ids of the held-out file the input did not have (or had only as a
+    duplicate of an earlier row, whose content is then in the training data: see the README)."""
+    data = writer.finish()
+    if not split.active:
+        return None
+    key = layout.heldout_prompts_key
+    try:  # If-None-Match: a racing plan of another split must not replace the file its manifest names
+        with_retries(lambda: store.put(key, data, if_none_match=True, content_type="application/gzip"),
+                     what="write held-out prompts")
+    except PreconditionFailed:
+        got = with_retries(lambda: store.get(key), what="read held-out prompts")
+        if got is not None and got[0] != data:
+            raise HeldoutError(
+                f"s3://{layout.bucket}/{key} already holds other held-out prompts (another plan of this root with "
+                "another split, or one that stopped before writing its manifest). Use a new output_uri, or delete "
+                "that object if no manifest.json names it") from None
+    found = set(writer.ids)
+    return {
+        "fraction": split.fraction,
+        "salt": split.salt,
+        "heldout_uri": split.uri,
+        "count": count,
+        "key": layout.heldout_prompts_key,
+        "uri": f"s3://{layout.bucket}/{layout.heldout_prompts_key}",
+        "ids_sha256": ids_sha256(writer.ids),
+        "named_ids": len(split.ids),
+        "named_not_found": sum(1 for i in split.ids if i not in found),
+    }

@@ -21,7 +21,6 @@ from dflash_pipeline.serving.engines import (
     vllm_kv_tokens,
     vllm_load_sample,
 )
-from dflash_pipeline.serving.specwire import sglang_spec_config, vllm_spec_config
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerInfo,
@@ -29,6 +28,7 @@ from dflash_pipeline.serving.sglang import (
     _short,
     classify_http_error,
 )
+from dflash_pipeline.serving.specwire import sglang_spec_config, vllm_spec_config
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ without reading the input again.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 from collections import deque
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.dataset.heldout import HeldoutSplit, HeldoutWriter, ids_sha256, read_heldout_ids
+from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
 from dflash_pipeline.dataset.records import encode_inputs
@@ -269,7 +268,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     head = with_retries(lambda: in_store.head(src.key), what="head prompts")
     if head is None:
         raise PlanError(f"prompts_uri {cfg.prompts_uri} does not exist")
-    split, heldout_etag = load_split(client, cfg)
+    try:
+        split, heldout_etag = load_split(client, cfg.heldout_uri, cfg.heldout_fraction, cfg.heldout_salt)
+    except HeldoutError as exc:
+        raise PlanError(str(exc)) from exc
     pins = pinned_settings(cfg, head.etag, head.size, heldout_etag)
 
     existing = load_manifest(out_store, layout)
@@ -382,7 +384,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     if stats.accepted == 0:
         raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read, "
                         f"{stats.heldout} held out)")
-    heldout_entry = write_heldout(out_store, layout, cfg, split, heldout, stats.heldout)
+    try:
+        heldout_entry = write_heldout(out_store, layout, split, heldout, stats.heldout)
+    except HeldoutError as exc:
+        raise PlanError(str(exc)) from exc
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -437,50 +442,6 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         layout.uri,
     )
     return plan_summary(manifest, layout, resumed=False)
-
-
-def load_split(client: Any, cfg: RunConfig) -> tuple[HeldoutSplit, str | None]:
-    """The run's held-out split and the ETag of its held-out file (read once, at that ETag)."""
-    if cfg.heldout_uri is None:
-        return HeldoutSplit(cfg.heldout_fraction, cfg.heldout_salt), None
-    src = parse_s3_uri(cfg.heldout_uri, what="heldout_uri")
-    store = Store(client, src.bucket)
-    got = with_retries(lambda: store.get(src.key), what="read heldout_uri")
-    if got is None:
-        raise PlanError(f"heldout_uri {cfg.heldout_uri} does not exist")
-    try:
-        ids = read_heldout_ids(io.BytesIO(got[0]), src.key)
-    except (PromptFileError, UnicodeDecodeError) as exc:
-        raise PlanError(f"heldout_uri {cfg.heldout_uri}: {exc}") from exc
-    if not ids:
-        raise PlanError(f"heldout_uri {cfg.heldout_uri} names no id")
-    return HeldoutSplit(cfg.heldout_fraction, cfg.heldout_salt, ids, cfg.heldout_uri), got[1]
-
-
-def write_heldout(store: Store, layout: DatasetLayout, cfg: RunConfig, split: HeldoutSplit, writer: HeldoutWriter,
-                  count: int) -> dict[str, Any] | None:
-    """Write the held-out prompts (before the manifest, whose entry points at them); None without a split.
-
-    The bytes are a function of the input and the split, so a retried or racing plan rewrites the same
-    object; `named_not_found` counts ids of the held-out file the input did not have (or had only as a
-    duplicate of an earlier row, whose content is then in the training data: see the README)."""
-    data = writer.finish()
-    if not split.active:
-        return None
-    with_retries(lambda: store.put(layout.heldout_prompts_key, data, content_type="application/gzip"),
-                 what="write held-out prompts")
-    found = set(writer.ids)
-    return {
-        "fraction": split.fraction,
-        "salt": split.salt,
-        "heldout_uri": split.uri,
-        "count": count,
-        "key": layout.heldout_prompts_key,
-        "uri": f"s3://{layout.bucket}/{layout.heldout_prompts_key}",
-        "ids_sha256": ids_sha256(writer.ids),
-        "named_ids": len(split.ids),
-        "named_not_found": sum(1 for i in split.ids if i not in found),
-    }
 
 
 class _HashingReader:

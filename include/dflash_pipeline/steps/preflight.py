@@ -20,7 +20,6 @@ from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency, probe_server
-from dflash_pipeline.serving.specwire import confirm_source, request_fields
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
     ServerInfo,
@@ -30,6 +29,7 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.serving.specwire import confirm_source, request_fields
 from dflash_pipeline.steps.plan import load_manifest, update_manifest
 
 logger = logging.getLogger(__name__)

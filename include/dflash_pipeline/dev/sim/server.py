@@ -47,8 +47,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, spec_drafter, spec_sglang, spec_vllm, tokens, vllm_wire
+from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
+from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ class SimConfig:
     """The SGLang release whose fields to emit and report in /get_server_info (None: SIM_VERSION)."""
     spec_per_request_metrics: str = "summary"
     """vLLM's --per-request-spec-decode-metrics: none | summary | detailed."""
+    enable_metrics: bool = False
+    """SGLang's --enable-metrics: the SGLang flavour serves /metrics (`sglang:spec_verify_calls_total`)."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -552,7 +555,7 @@ class _HTTPServer(ThreadingHTTPServer):
         logger.debug("connection error from %s", client_address, exc_info=True)
 
 
-class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
+class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseHTTPRequestHandler):
     """HTTP/1.1 keep-alive handler speaking SGLang's endpoints."""
 
     protocol_version = "HTTP/1.1"
@@ -572,6 +575,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
+        "/metrics": "_sglang_metrics",
     }
     POST_ROUTES = {
         "/v1/chat/completions": "_chat",
@@ -1025,9 +1029,7 @@ class SimServer:
             else self.config.seed
         self._fault_rng = random.Random(f"sim-faults:{fault_seed}")
         self.conversations = ConversationModel()
-        k = int(self.config.spec_num_draft_tokens)
-        self.spec_counters: spec_drafter.SpecCounters | None = (
-            spec_drafter.SpecCounters(k, per_position=[0] * k) if self.config.spec_algorithm else None)
+        self.spec_counters = spec_drafter.new_counters(self.config)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1181,7 +1183,7 @@ class SimServer:
             "schedule_policy": "fcfs",
             "chunked_prefill_size": 8192,
             "skip_server_warmup": False,
-            "enable_metrics": False,
+            "enable_metrics": config.enable_metrics,
             "version": config.spec_sglang_version or SIM_VERSION,
             "internal_states": [{"max_total_num_tokens": config.max_total_num_tokens,
                                  "last_gen_throughput": throughput,
@@ -1194,16 +1196,7 @@ class SimServer:
     def spec_draw(self, messages: list[Any], completion_tokens: int,
                   request_seed: int | None) -> spec_drafter.Drafted | None:
         """One answered request's speculative decoding (None when not speculating), counted."""
-        config = self.config
-        if not config.spec_algorithm:
-            return None
-        drafted = spec_drafter.draw(config, messages, completion_tokens, request_seed)
-        with self._sched.cv:
-            if self.spec_counters is None or self.spec_counters.k != config.spec_num_draft_tokens:
-                k = int(config.spec_num_draft_tokens)
-                self.spec_counters = spec_drafter.SpecCounters(k, per_position=[0] * k)
-        self.spec_counters.add(drafted)
-        return drafted
+        return spec_drafter.draw_and_count(self, messages, completion_tokens, request_seed)
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks: busy slot-seconds and output tokens give ideal throughput."""

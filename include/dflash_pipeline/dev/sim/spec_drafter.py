@@ -132,6 +132,29 @@ def draw(config: Any, messages: list[Any], completion_tokens: int, request_seed:
     return Drafted(k, tuple(int(x) for x in a[:steps]))
 
 
+def new_counters(config: Any) -> SpecCounters | None:
+    """A speculating server's counters, zero at start (one per draft position, as vLLM publishes)."""
+    if not config.spec_algorithm:
+        return None
+    k = int(config.spec_num_draft_tokens)
+    return SpecCounters(k, per_position=[0] * k)
+
+
+def draw_and_count(sim: Any, messages: list[Any], completion_tokens: int, request_seed: int | None) -> Drafted | None:
+    """One answered request of `sim` (a SimServer): its draw, added to the server's counters; None
+    when the server does not speculate. A runtime change of the draft length starts new counters."""
+    config = sim.config
+    if not config.spec_algorithm:
+        return None
+    drafted = draw(config, messages, completion_tokens, request_seed)
+    with sim._sched.cv:
+        if sim.spec_counters is None or sim.spec_counters.k != config.spec_num_draft_tokens:
+            sim.spec_counters = new_counters(config)
+        counters = sim.spec_counters
+    counters.add(drafted)
+    return drafted
+
+
 @dataclass
 class SpecCounters:
     """Server-wide totals since the server object was made (thread-safe)."""

@@ -14,6 +14,10 @@ serving/specwire.py lists:
   `SpecTokensDetails`) adds top-level `sglext.spec_tokens_details`, one object for n == 1, the
   canonical names with zeros / [] for what meta_info lacks, absent when meta_info has no figure.
   Older releases ignore both fields.
+- `/metrics` (only with `--enable-metrics`; `observability/metrics_collector.py` 0.5.21): counter
+  `sglang:spec_verify_calls_total`, incremented by each finished request's `spec_verify_ct`
+  (`observe_one_finished_request`); its acceptance gauges are running averages. Labels here are a
+  subset (`model_name`); the series appears once a request verified (a labelled prometheus counter).
 - `/get_server_info`: flat server args (`speculative_algorithm` ... None when not speculating)
   and `internal_states[0].avg_spec_accept_length` (`managers/scheduler.py`: accepted tokens incl.
   the bonus / forward passes; only once a verify step ran).
@@ -111,3 +115,27 @@ def decorate(body: dict[str, Any], request: dict[str, Any], version: str | None,
                 "spec_correct_drafts_histogram": meta.get("spec_correct_drafts_histogram") or [],
                 "spec_cap_lens_histogram": [],
             }}
+
+
+def metrics_text(model: str, counters: SpecCounters | None) -> str:
+    """SGLang's `/metrics` text, the part a client of speculative counters reads."""
+    lines = ["# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.",
+             "# TYPE sglang:spec_verify_calls_total counter"]
+    snap = counters.snapshot() if counters is not None else None
+    if snap and snap["drafts"] > 0:
+        lines.append(f'sglang:spec_verify_calls_total{{model_name="{model}"}} {float(snap["drafts"])}')
+    return "\n".join(lines) + "\n"
+
+
+class SglangMetricsEndpoint:
+    """The SGLang flavour's `/metrics` handler (mixed into the simulator's handler): served only with
+    `SimConfig.enable_metrics` (SGLang's --enable-metrics), FastAPI's 404 otherwise."""
+
+    sim: Any
+
+    def _sglang_metrics(self, _body: bytes) -> None:
+        if not self.sim.config.enable_metrics:
+            self._send_json(404, {"detail": "Not Found"})  # type: ignore[attr-defined]
+            return
+        text = metrics_text(self.sim.config.served_model_name, self.sim.spec_counters)
+        self._send(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")  # type: ignore[attr-defined]

@@ -54,11 +54,13 @@ TRAINING_ROW_SCHEMA = pa.schema([*TOKENIZED_SCHEMA, *LABEL_FIELDS])
 exact.py says what each column is), with the input row's labels (rowlabels.py: source, domain, metadata,
 thinking)."""
 
+_HF_DTYPES = {"bool": "bool", "double": "float64"}  # pyarrow's names where `datasets` spells them differently
+
 # Hugging Face `datasets` features of TRAINING_ROW_SCHEMA, in the form datasets 5.x writes
 # (`Features.to_dict()`); the Parquet profile's schema metadata and the dataset card declare them.
 HF_FEATURES: dict[str, Any] = {
     name: ({"feature": {"dtype": str(t.value_type), "_type": "Value"}, "_type": "List"}
-           if pa.types.is_list(t) else {"dtype": "bool" if pa.types.is_boolean(t) else str(t), "_type": "Value"})
+           if pa.types.is_list(t) else {"dtype": _HF_DTYPES.get(str(t), str(t)), "_type": "Value"})
     for name, t in zip(TRAINING_ROW_SCHEMA.names, TRAINING_ROW_SCHEMA.types)
 }
 
@@ -155,15 +157,27 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 def specforge_tokens_jsonl(table: pa.Table, *, thinking: bool = True) -> bytes:
     """SpecForge's pre-tokenized records: ``{"id", "input_ids", "loss_mask"}`` plus the row's labels
-    (``source``, ``domain``, ``thinking``, ``metadata``; SpecForge 0.2.0's prompt_builder reads only
-    ``input_ids`` and ``loss_mask`` of a pre-tokenized record), one line per row."""
+    (``source``, ``domain``, ``thinking``, ``metadata``) and the trained turn's ``acceptance_length`` when
+    its server reported it (left out otherwise); SpecForge 0.2.0's prompt_builder reads only
+    ``input_ids`` and ``loss_mask`` of a pre-tokenized record. One line per row."""
     _check_table(table)
     keys = table.column("key").to_pylist()
     ids = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
     labels = jsonl_labels(table, thinking)
-    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m, **lab}) + "\n"
-                   for k, i, m, lab in zip(keys, ids, masks, labels)).encode()
+    accept = table.column("acceptance_length").to_pylist()
+    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m, **lab, **_spec_keys(al)}) + "\n"
+                   for k, i, m, lab, al in zip(keys, ids, masks, labels, accept)).encode()
+
+
+def _spec_keys(acceptance_length: float | None, verify_steps: int | None = None) -> dict[str, Any]:
+    """The spec keys a JSONL row carries: none when its turn has no statistics (files stay as before)."""
+    if acceptance_length is None:
+        return {}
+    out: dict[str, Any] = {"acceptance_length": acceptance_length}
+    if verify_steps is not None:
+        out["spec_verify_steps"] = verify_steps
+    return out
 
 
 def speculators_jsonl(table: pa.Table, *, thinking: bool = True) -> bytes:
@@ -185,7 +199,7 @@ def speculators_jsonl(table: pa.Table, *, thinking: bool = True) -> bytes:
                          "ids_source": cols["ids_source"][i],
                          "truncated_to_max_length": cols["truncated_to_max_length"][i],
                          "num_tokens": cols["num_tokens"][i], "num_loss_tokens": cols["num_loss_tokens"][i],
-                         **labels[i]},
+                         **labels[i], **_spec_keys(cols["acceptance_length"][i], cols["spec_verify_steps"][i])},
         }) + "\n")
     return "".join(lines).encode()
 

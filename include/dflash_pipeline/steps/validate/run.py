@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import read_parquet, unit_keys
 from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.steps.validate import acceptance
 from dflash_pipeline.steps.validate.checks import Validator, to_numpy, unfinished_mask
 from dflash_pipeline.steps.validate.report import (
     VALIDATION_DIR,
@@ -143,6 +144,8 @@ def run_validation(
         recounter = load_recounter(tokenizer, s3_get, enable_thinking=thinking)
         columns += ["messages", "conversation"]
 
+    columns += [c for c in acceptance.READ_COLUMNS if c not in columns]
+    spec = acceptance.AcceptanceTally(thinking)
     v = Validator(thinking, recounter)
     t = v.t
     t.chunks = len(sizes)
@@ -186,6 +189,7 @@ def run_validation(
                     pending.append(pool.submit(fetch, nxt))
                 if table is not None:
                     _ensure_marker(store, layout, c, table, c in markers)
+                    spec.add(table)
                     labels.add(table)
                 v.add_chunk(planned_ids, table)
                 if c and c % 500 == 0:
@@ -214,13 +218,14 @@ def run_validation(
         files["plots"] = [pkeys[n] for n in pngs]
 
     report = build_report(t, manifest, layout, thresholds, files)
+    report["acceptance"] = spec.report()
     report.update(label_report_fields(labels, manifest))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     with_retries(
         lambda: store.put(layout.report_key, json.dumps(report, indent=1).encode(), content_type="application/json"),
         what="write report",
     )
-    md = report_markdown(report) + label_markdown(report)
+    md = report_markdown(report) + label_markdown(report) + acceptance.markdown(report["acceptance"])
     with_retries(lambda: store.put(layout.report_md_key, md.encode(), content_type="text/markdown"), what="write report.md")
     logger.info("report for %s:\n%s", layout.uri, md)
     logger.info(
