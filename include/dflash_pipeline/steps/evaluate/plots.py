@@ -44,6 +44,7 @@ def acceptance_plot(report: Mapping[str, Any]) -> bytes:
         pp = ((groups[g].get(headline) or {}).get("acceptance") or {}).get("per_position")
         if pp:
             ax2.plot(range(1, len(pp) + 1), pp, marker="o", label=g)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance rate")
     ax2.set_ylim(0, 1.02)
@@ -60,6 +61,7 @@ def acceptance_plot(report: Mapping[str, Any]) -> bytes:
         ax3.bar(xd + (i - (len(spec) - 1) / 2) * width, vals, width, yerr=err, capsize=3, label=g)
     ax3.set_xticks(xd, domains, rotation=25, ha="right", fontsize=8)
     ax3.set_title(f"by domain ({headline})", fontsize=9)
+    ax3.set_ylabel("acceptance length")
     ax3.axhline(1.0, color="grey", lw=0.8)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
