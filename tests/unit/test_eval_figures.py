@@ -75,6 +75,14 @@ def test_crosscheck_match_mismatch_and_unmeasured() -> None:
     assert out["d"]["status"] == "unknown" and "restarted" in out["d"]["note"]
 
 
+def test_rows_without_a_metrics_document_are_listed_as_not_measured() -> None:
+    rows = [row(server="a", run="r1"), row(server="a", run="r0"), row(server="a", run="r0", verify=None, accepted=None)]
+    out = F.crosscheck(rows, [_doc("a", "r1", {"engine": "vllm", "verify_steps": 10, "accepted_tokens": 20,
+                                                 "draft_tokens": 30})])
+    assert [(x["run_id"], x["status"], x["rows"]) for x in out] == [("r1", "match", 1), ("r0", "not measured", 1)]
+    assert "second scrape" in out[1]["note"]
+
+
 def test_crosscheck_sums_the_tries_of_a_run_and_says_when_one_died() -> None:
     rows = [row(server="a", verify=10, accepted=20)]
     d = {"engine": "sglang", "verify_steps": 4}

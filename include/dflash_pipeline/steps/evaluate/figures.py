@@ -115,6 +115,17 @@ def crosscheck(rows: Sequence[Mapping[str, Any]], docs: Sequence[Mapping[str, An
                     or min(entry["tries"] or [1]) > 1 else ""
                 entry["note"] = MISMATCH_HINT + retried
         out.append(entry)
+    # Rows of a (server, run) with no metrics document: its task died before the second scrape (the
+    # rows came from a checkpoint or a hand-off), so nothing measured them.
+    unmeasured: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (str(r.get("server")), str(r.get("run_id")))
+        if key not in by_key and SpecStats.from_columns(r) is not None:
+            unmeasured[key] = unmeasured.get(key, 0) + 1
+    for (server, run), n in sorted(unmeasured.items()):
+        out.append({"server": server, "run_id": run, "tries": [], "rows": n, "rows_sum": None, "metrics_delta": None,
+                    "status": "not measured", "note": "no /metrics document for these rows: the server's task ended "
+                    "before its second scrape (its finished rows were saved and committed by the fleet)"})
     return out
 
 
