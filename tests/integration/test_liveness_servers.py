@@ -191,3 +191,29 @@ def test_a_busy_server_shedding_load_with_503_is_not_failing(s3_client: Any, buc
     assert worker.stats.errors == 0, figures
     report = run.validate()
     assert report["completions"] == 16
+
+
+@pytest.mark.timeout(120)
+def test_a_hand_off_keeps_the_generations_finishing_in_flight(s3_client: Any, bucket: str, sim_fleet: Any) -> None:
+    """The same busy server, seen without a load endpoint (a generic OpenAI server: no sign of life
+    but its answers): the refusals make it failing and its chunks are handed off; a chunk whose
+    requests are still generating is handed off only once they are back, with their rows, so no
+    finished generation is thrown away."""
+    fleet = sim_fleet(1, **BUSY)
+    run = Run(s3_client, bucket, fleet.urls, n=16, save_every=8)
+    worker = run.worker(0, engine="openai", concurrency=6, handoff_after_s=1.0, backoff_base_s=0.1,
+                        backoff_cap_s=0.5, max_attempts=3, lease_s=30.0)
+    t, out = _run_in_thread(worker)
+    t.join(timeout=80)
+    finished = not t.is_alive()
+    _stop(worker, t)
+    stats = fleet.servers[0].stats()
+    figures = (f"no load endpoint: finished={finished}, handoffs={worker.stats.handoffs}, "
+               f"rows_discarded={worker.stats.rows_discarded}, generation requests={stats['generation_requests']}, "
+               f"rejected queue full={stats['rejected_queue_full']}, error rows={worker.stats.errors}")
+    print(figures)
+    assert stats["rejected_queue_full"] >= 1, "the server really shed load"
+    assert finished and "result" in out, f"the run finishes ({figures}; {out.get('error')!r})"
+    assert worker.stats.rows_discarded == 0, figures
+    report = run.validate()
+    assert report["completions"] == 16
