@@ -161,9 +161,9 @@ def test_a_server_restarted_with_a_smaller_context_is_broken_though_short_prompt
 
 # -- 2: a busy server answering 503 "queue full" --------------------------------------------------------
 
-# 4 slots, no queue: while 4 long generations (~2-4 s each) run, any further request is answered 503
+# 4 slots, 1 waiting: while 4 long generations (~2-4 s each) run and 1 waits, any further request is answered 503
 # "The request queue is full." at once.
-BUSY = {"token_time_s": 0.02, "length_scale": 0.2, "max_running_requests": 4, "max_queued_requests": 0}
+BUSY = {"token_time_s": 0.02, "length_scale": 0.2, "max_running_requests": 4, "max_queued_requests": 1}
 
 
 @pytest.mark.timeout(120)
@@ -172,7 +172,7 @@ def test_a_busy_server_shedding_load_with_503_is_not_failing(s3_client: Any, buc
                                                              mode: str) -> None:
     fleet = sim_fleet(1, **BUSY)
     run = Run(s3_client, bucket, fleet.urls, n=16, save_every=8)
-    over = dict(concurrency=6, adaptive_headroom=mode == "discovered", handoff_after_s=1.0,
+    over = dict(concurrency=7, adaptive_headroom=mode == "discovered", handoff_after_s=1.0,
                 backoff_base_s=0.1, backoff_cap_s=0.5, max_attempts=3, lease_s=30.0)
     worker = run.worker(0, **over)
     t, out = _run_in_thread(worker)
@@ -201,7 +201,7 @@ def test_a_hand_off_keeps_the_generations_finishing_in_flight(s3_client: Any, bu
     finished generation is thrown away."""
     fleet = sim_fleet(1, **BUSY)
     run = Run(s3_client, bucket, fleet.urls, n=16, save_every=8)
-    worker = run.worker(0, engine="openai", concurrency=6, handoff_after_s=1.0, backoff_base_s=0.1,
+    worker = run.worker(0, engine="openai", concurrency=7, handoff_after_s=1.0, backoff_base_s=0.1,
                         backoff_cap_s=0.5, max_attempts=3, lease_s=30.0)
     t, out = _run_in_thread(worker)
     t.join(timeout=80)
