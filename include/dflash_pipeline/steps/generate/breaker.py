@@ -12,9 +12,11 @@ against what its peers serve:
 1. the canary: a one-line prompt every server of the fleet serves (1 token). A server that refuses
    it permanently fails what any peer serves: broken, alone or in a fleet (a lone server with a
    broken template or a tiny context is caught here, with no peer to compare with);
-2. for context-length refusals, the server's live context length (its model-info endpoint) against
-   the fleet's at preflight (the manifest): smaller means prompts that fit the peers are refused
-   here: broken. Equal or larger: no server of the fleet has more room, the prompts are too long.
+2. for context-length refusals, the server's live context length (its server-info / models
+   endpoint, serving/probe.py) against the fleet's at preflight (the manifest): smaller means
+   prompts that fit the peers are refused here: broken. Equal or larger: no server of the fleet has
+   more room, the prompts are too long. A server publishing no context length (generic) cannot be
+   shown to refuse what its peers serve.
 Neither: the prompts' fault. Their rows stay error rows, the window is cleared, and a new suspicion
 needs a full `breaker_window` of results. A judgement that cannot get an answer (the server
 failing transiently) decides nothing; the worker resumes and may suspect again 5 s later.
@@ -154,18 +156,20 @@ class Breaker:
                               f"({exc.error_class}: {exc.message[:200]})")
         if "ContextLengthExceeded" in classes:
             fleet, where = fleet_context(self._fleet_servers)
-            ours = self._context_now()
+            try:
+                ours = self._context_now()
+            except RequestFailure as exc:
+                return "undecided", f"its context length could not be read ({exc.error_class})"
             if ours is not None and fleet is not None and ours < fleet:
                 return "broken", (f"its context length is now {ours} tokens, {where} had {fleet} at preflight: "
                                   "it refuses prompts its peers serve (restarted with a smaller --context-length?)")
-            if ours is None:
-                return "undecided", "its context length could not be read"
+            if ours is None or fleet is None:
+                return "prompts", ("it serves a one-line prompt, and no context length to compare with the "
+                                   "fleet's is published (a generic server): nothing shows a peer would serve them")
             return "prompts", (f"it serves a one-line prompt and its context ({ours} tokens) is the fleet's "
                                f"largest ({fleet}): those prompts are too long for every server")
         return "prompts", "it serves a one-line prompt: the refused requests are the prompts'"
 
     def _probe_context(self) -> int | None:
-        try:
-            return probe_server(new_session(), self.settings.server, timeout_s=10.0).context_length
-        except RequestFailure:
-            return None
+        """The server's context length now (None: it publishes none); RequestFailure if unreachable."""
+        return probe_server(new_session(), self.settings.server, timeout_s=10.0).context_length
