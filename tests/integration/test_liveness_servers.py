@@ -115,7 +115,7 @@ def test_a_chunk_no_server_can_serve_becomes_error_rows(s3_client: Any, bucket: 
     print(f"{servers} server(s): {time.monotonic() - started:.1f}s, chunks committed {len(run.committed())} of "
           f"{len(run.manifest['chunks']['sizes'])}, " + "; ".join(
               f"{r['worker']}: {r['completions']} completions, {r['permanent_errors']} permanent errors, "
-              f"breaker checks {r['breaker_checks']} (prompts' {r['prompt_verdicts']})" if isinstance(r, dict)
+              f"breaker checks {r.get('breaker_checks')} (prompts' {r.get('prompt_verdicts')})" if isinstance(r, dict)
               else f"{r!r}"[:160] for r in results))
     assert all(isinstance(r, dict) for r in results), \
         f"every task ends normally; got {results}; chunks committed: {len(run.committed())} of " \
