@@ -51,6 +51,7 @@ from dflash_pipeline.dev.chaos_liveness import (
     check_unservable,
     draw_liveness,
     liveness_prompts,
+    run_params,
     sim_knobs,
     start_busy,
     unservable_ids,
@@ -342,6 +343,7 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
         "prompts_uri": f"s3://{bucket}/{root}/prompts.jsonl", "output_uri": f"s3://{bucket}/{root}/ds",
         "save_every": sc.save_every, "request_timeout_s": 12, "server_lost_after_s": 10,
         "server_handoff_after_s": 1, "claim_lease_s": sc.lease_s, "max_attempts": 6,
+        **run_params(sc.liveness),
     }
     # WorkerSettings that are not run params: the stop grace, and how often checkpoints are taken.
     worker_settings = {"stop_grace_s": sc.stop_grace_s, "checkpoint_every_s": sc.transitions.checkpoint_every_s}

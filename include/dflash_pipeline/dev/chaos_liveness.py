@@ -31,6 +31,8 @@ CONTEXT_LENGTH = 4096 + 256
 LONG_WORDS = 600
 BUSY_SLOW_FACTOR = 20.0
 BUSY_MAX_QUEUED = 1
+#: The chaos fleet's max_running_requests (chaos.run_schedule).
+SIM_SLOTS = 6
 
 
 @dataclass
@@ -45,6 +47,10 @@ class LivenessFaults:
     #: Chunk indexes (of the plan's layout) whose every prompt is too long for every server.
     unservable: list[int] = field(default_factory=list)
     busy: list[Busy] = field(default_factory=list)
+    #: The run's concurrency_per_server (None: discovered). A discovered limit keeps few requests
+    #: waiting at the server, so a busy server seldom sheds any; a fixed one above what a busy
+    #: server holds is what makes it shed (the case of issue 31).
+    fixed_concurrency: int | None = None
 
     @property
     def any(self) -> bool:
@@ -55,11 +61,14 @@ class LivenessFaults:
         if self.unservable:
             parts.append(f"unservable chunk(s) {self.unservable}")
         parts += [f"busy{b.target}@{b.at_s:.0f}s/{b.duration_s:.0f}s" for b in self.busy]
+        if self.fixed_concurrency:
+            parts.append(f"concurrency {self.fixed_concurrency}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"unservable": list(self.unservable),
-                "busy": [{"at_s": b.at_s, "target": b.target, "duration_s": b.duration_s} for b in self.busy]}
+                "busy": [{"at_s": b.at_s, "target": b.target, "duration_s": b.duration_s} for b in self.busy],
+                "fixed_concurrency": self.fixed_concurrency}
 
 
 def draw_liveness(seed: int, n_prompts: int, save_every: int, n_servers: int, always: bool = False) -> LivenessFaults:
@@ -71,7 +80,9 @@ def draw_liveness(seed: int, n_prompts: int, save_every: int, n_servers: int, al
         faults.unservable = sorted(rng.sample(range(n_chunks), k=min(n_chunks, rng.choice([1, 1, 2]))))
     if always or rng.random() < 0.5:
         for _ in range(rng.choice([1, 1, 2])):
-            faults.busy.append(Busy(rng.uniform(0.5, 6.0), rng.randrange(n_servers), rng.uniform(2.0, 8.0)))
+            faults.busy.append(Busy(rng.uniform(0.0, 3.0), rng.randrange(n_servers), rng.uniform(10.0, 25.0)))
+        if always or rng.random() < 0.5:
+            faults.fixed_concurrency = SIM_SLOTS + 4
     return faults
 
 
@@ -95,6 +106,11 @@ def liveness_prompts(seed: int, n: int, long: set[int]) -> bytes:
             text += " Check" + " every divisor" * (LONG_WORDS // 2) + "."
         rows.append(json.dumps({"id": f"c{seed}-{i:05d}", "prompt": text}))
     return "\n".join(rows).encode()
+
+
+def run_params(faults: LivenessFaults) -> dict[str, Any]:
+    """Run params the faults need (a fixed concurrency_per_server)."""
+    return {"concurrency_per_server": faults.fixed_concurrency} if faults.fixed_concurrency else {}
 
 
 def sim_knobs(faults: LivenessFaults) -> dict[str, Any]:
