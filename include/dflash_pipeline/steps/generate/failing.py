@@ -163,3 +163,28 @@ class ServerHealth:
             logger.info("probe of %s failed: %r", s.server.name, exc)
             return
         self._probe_ok_t = time.monotonic()
+
+
+class ShedCap:
+    """After a busy server shed a request of ours (503 queue full): at most as many in flight as it
+    held then, one more after each round of that many completions, until the limit again. With a
+    discovered limit the pilot cuts it too; with a fixed `concurrency_per_server` above what the
+    server holds this is what keeps the refused requests few. Owner: main only."""
+
+    def __init__(self) -> None:
+        self._cap: int | None = None
+        self._done = 0
+
+    def limit(self, limit: int) -> int:
+        return limit if self._cap is None else min(limit, self._cap)
+
+    def shed(self, in_flight: int) -> None:
+        self._cap, self._done = max(1, in_flight), 0
+
+    def completed(self, limit: int) -> None:
+        if self._cap is None:
+            return
+        self._done += 1
+        if self._done >= self._cap:
+            self._done = 0
+            self._cap = None if self._cap + 1 >= limit else self._cap + 1

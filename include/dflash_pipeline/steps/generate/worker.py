@@ -28,16 +28,13 @@ Threads and what they own (each shared thing has one owner object with a narrow 
 - request threads: one unit each (all its turns); they read their chunk's `dropped` and the stop.
 - pilot (serving/pilot.py): the in-flight limit; main and the claimer only read it.
 
-Failure handling. A failed request is a row (outcomes.py). A server that fails every request for
-`handoff_after_s` (transient failures with nothing succeeding and no sign of life: failing.py, /health
-or not) hands its open chunks (finished rows saved as partials) to the fleet, stops claiming and
-probes it with a 1-token generation; it takes work again when a probe succeeds or it shows a sign
-of life, or fails with ServerLost after `server_lost_after_s`. A chunk with requests still in
-flight is handed off only once they are back (with their rows), never while they may finish. A
-server that is busy (its load probe shows requests running while ours are in flight) is not
-failing: a request it refused (503 queue full) goes back in line, uncounted. A permanent error is
-an error row; a server answering mostly permanent errors is paused and judged (breaker.py): broken
-(ServerBroken) only when it refuses what its peers serve, otherwise the rows are the prompts'. `request_stop()` (SIGTERM) ends `run()` within
+Failure handling (docs/liveness.md). A failed request is a row (outcomes.py). A failing server
+(failing.py: transient failures, nothing succeeding, no sign of life) gets nothing new and a 1-token
+probe; after `handoff_after_s` its open chunks go to the fleet (finished rows saved as partials; a
+chunk with requests in flight only once they are back), after `server_lost_after_s` ServerLost. A
+busy server (requests running, ours in flight) is not failing: what it refuses goes back in line.
+A server answering mostly permanent errors is paused and judged (breaker.py): ServerBroken only
+when it refuses what its peers serve. `request_stop()` (SIGTERM) ends `run()` within
 `stop_grace_s`, a hand-off in progress included: complete chunks are committed or saved first,
 then every other held chunk's finished rows, and the claims released.
 
@@ -75,7 +72,7 @@ from dflash_pipeline.steps.generate.chunks import (
 )
 from dflash_pipeline.steps.generate.claiming import Claimer
 from dflash_pipeline.steps.generate.committing import Committer
-from dflash_pipeline.steps.generate.failing import ServerHealth
+from dflash_pipeline.steps.generate.failing import ServerHealth, ShedCap
 from dflash_pipeline.steps.generate.handback import PartialWriter
 from dflash_pipeline.steps.generate.ledger import Ledger
 from dflash_pipeline.steps.generate.outcomes import error_row
@@ -152,11 +149,7 @@ class Worker:
         self._tok_window: deque[tuple[float, int]] = deque()
         self._done_times: deque[float] = deque()
         self._full_chunk = max(self.sizes, default=0)
-        # After a busy server shed a request of ours (503 queue full): at most this many in flight
-        # (what it held then), one more after each round of that many completions, until the limit
-        # again (None: the limit alone). Main only.
-        self._shed_cap: int | None = None
-        self._shed_done = 0
+        self.shed = ShedCap()
         self.breaker = Breaker(s, session_factory, fleet_servers=manifest.get("servers"))
         # The in-flight limit: discovered from the server's live load, or the user's figure
         # (serving/pilot.py; its own thread probes, main and the claimer read `limit`).
@@ -245,8 +238,7 @@ class Worker:
             self.pending.extend((chunk, p) for p in todo)
         limit = self._limit()
         pool.ensure(limit)
-        if self._shed_cap is not None:
-            limit = min(limit, self._shed_cap)
+        limit = self.shed.limit(limit)
         while self.in_flight < limit and self.pending and not self.breaker.deciding:
             chunk, prompt = self.pending.popleft()
             if chunk.dropped:
@@ -289,11 +281,7 @@ class Worker:
             while self._done_times and now - self._done_times[0] > 10.0:
                 self._done_times.popleft()
             self.breaker.record(None)
-            if self._shed_cap is not None:  # a round of completions at the cap: try one more
-                self._shed_done += 1
-                if self._shed_done >= self._shed_cap:
-                    self._shed_done = 0
-                    self._shed_cap = None if self._shed_cap + 1 >= self._limit() else self._shed_cap + 1
+            self.shed.completed(self._limit())
         else:
             f = out.failure
             if f is None:  # stopped before any answer: not a result
@@ -305,13 +293,12 @@ class Worker:
             pid = unit_key(out.prompt)
             if f.transient and self.health.servers_fault(out.last_failure_t) and not self.health.failing \
                     and self.health.busy(self.in_flight):
-                # Busy, not failing (failing.py): it refused this one (503 queue full) while running
-                # ours. Not the prompt's fault, nor a reason to pause: back in line, uncounted.
-                # It holds what is in flight now: send more only as those finish (`_shed_cap`).
+                # Busy, not failing (failing.py): refused (503 queue full) while running ours. Not
+                # the prompt's fault nor a reason to pause: back in line, uncounted, fewer in flight.
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
                 self.stats.busy_requeues += 1
-                self._shed_cap, self._shed_done = max(1, self.in_flight), 0
+                self.shed.shed(self.in_flight)
                 return
             if f.transient and self.health.servers_fault(out.last_failure_t) and (
                     self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
