@@ -6,11 +6,14 @@
 Starts its own moto server; each schedule runs a simulated fleet, a fault-injecting S3 front and
 one generate worker process per server (SIGTERM/SIGKILL and retries included), and in most
 schedules faults at the chunk protocol's state transitions (delays, lost leases, a stop landing in
-a window, checkpoints in flight at the stop; dev/transitions.py; `--no-transitions`: none). See
+a window, checkpoints in flight at the stop; dev/transitions.py; `--no-transitions`: none), and in
+most a chunk or two of prompts no server can serve and servers busy enough to shed requests with
+503 (dev/chaos_liveness.py; `--no-liveness`: none). See
 dev/chaos.py. Prints one row per schedule and the totals (wasted work, the worst stop, the
 transition faults injected); exits 1 if any schedule lost, duplicated or stored an unfinished row,
 left a claim, hung, took longer than stop_grace_s + 1.5 s to stop, had a try end with an unexpected
-exception or a thread logging a failure. A failing schedule's thread
+exception (a ServerBroken over prompts nobody can serve included) or a thread logging a failure, or
+stored an unservable prompt as anything but a ContextLengthExceeded error row. A failing schedule's thread
 dumps and slow stops are printed under its row.
 
 Columns: stop_s = the schedule's longest stop (SIGTERM or transition-requested stop -> process exit;
@@ -48,6 +51,7 @@ def _details(r: ChaosResult) -> list[str]:
     out += [f"      claim left: {c}" for c in r.claims_left_detail]
     out += [f"      failed try: {f}" for f in r.failed_tries_detail]
     out += [f"      thread error: {e}" for e in r.thread_errors]
+    out += [f"      unservable prompt: {e}" for e in r.liveness_problems]
     for dump in r.thread_dumps:
         out += ["      " + line for line in dump.splitlines()]
     return out
@@ -59,6 +63,8 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--s3-only", action="store_true", help="S3 faults only (no server, worker or transition events)")
     ap.add_argument("--no-transitions", action="store_true", help="no faults at the protocol's state transitions")
+    ap.add_argument("--no-liveness", action="store_true",
+                    help="no unservable chunks nor busy servers (dev/chaos_liveness.py)")
     ap.add_argument("--servers", type=int, default=None, help="fleet size (default: drawn, 2-4)")
     ap.add_argument("--outage-s", type=float, default=8.0, help="longest S3 outage drawn (seconds)")
     ap.add_argument("--force-outage", action="store_true",
@@ -69,7 +75,7 @@ def main() -> int:
     args = ap.parse_args()
     bad: list[int] = []
     totals = {"rows": 0, "requests": 0, "wasted": 0, "stops": 0, "peer_claims": 0, "failed_tries": 0,
-              "early_sigterms": 0, "no_stop": 0}
+              "early_sigterms": 0, "no_stop": 0, "unservable": 0, "shed": 0}
     tfaults: Counter[str] = Counter()
     worst: tuple[float, int] = (0.0, 0)
     with MotoServer() as moto:
@@ -81,7 +87,7 @@ def main() -> int:
         t0 = time.monotonic()
         for seed in range(args.first_seed, args.first_seed + args.schedules):
             sc = random_schedule(seed, s3_only=args.s3_only, n_servers=args.servers, outage_s=args.outage_s,
-                                 transitions=not args.no_transitions)
+                                 transitions=not args.no_transitions, liveness=not args.no_liveness)
             if args.force_outage:
                 at = 2.0 + (seed * 7919 % 400) / 100.0
                 sc.events = sorted([*sc.events, Event(at, "outage", 0, args.outage_s)], key=lambda e: e.at_s)
@@ -100,6 +106,8 @@ def main() -> int:
             totals["failed_tries"] += r.failed_tries
             totals["early_sigterms"] += r.early_sigterms
             totals["no_stop"] += not r.stops
+            totals["unservable"] += r.liveness.get("unservable", 0)
+            totals["shed"] += r.liveness.get("queue_full", 0)
             tfaults.update(r.transition_faults)
             if r.max_stop_s >= worst[0] and r.stops:
                 worst = (r.max_stop_s, seed)
@@ -108,7 +116,9 @@ def main() -> int:
                   f"{r.unfinished_stored:>5} {r.claims_left:>6} {r.requests:>5} {r.wasted:>6} {r.tries:>5} "
                   f"{r.wall_s:>6.1f} {len(r.hangs):>5} {stop_s:>6} {len(r.stops):>5} "
                   f"{_tfaults(r.transition_faults):<22} "
-                  f"{r.schedule}{' HUNG' if r.hung else ''} | {r.s3_faults}", flush=True)
+                  f"{r.schedule}{' HUNG' if r.hung else ''} | {r.s3_faults}"
+                  f"{' | shed ' + str(r.liveness.get('queue_full', 0)) if r.liveness.get('queue_full') else ''}",
+                  flush=True)
             if not r.ok:
                 print("\n".join(_details(r)), flush=True)
     print(f"\n{args.schedules} schedules in {time.monotonic() - t0:.0f}s: {len(bad)} failed"
@@ -119,6 +129,8 @@ def main() -> int:
           f"{STOP_GRACE_S + STOP_MARGIN_S:g}s (stop_grace_s {STOP_GRACE_S:g} + {STOP_MARGIN_S:g}); "
           f"tries failed with an exception {totals['failed_tries']}; schedules without a measured stop "
           f"{totals['no_stop']}; SIGTERMs before a child's handler was in (not measured) {totals['early_sigterms']}")
+    print(f"liveness faults: unservable prompts {totals['unservable']} (all ContextLengthExceeded error rows "
+          f"unless a row above says otherwise), requests shed by busy servers (503 queue full) {totals['shed']}")
     print(f"transition faults injected: {dict(sorted(tfaults.items())) or 'none'}; "
           f"injected peer's claims swept at the end {totals['peer_claims']}")
     return 1 if bad else 0

@@ -52,6 +52,7 @@ def test_random_fault_schedule_ends_exact(i: int, moto_server: Any, bucket: str,
     assert r.stops, f"seed {seed}: no stop was measured (every schedule has one) (logs {r.log_dir})"
     assert (r.missing, r.duplicated, r.unfinished_stored, r.claims_left) == (0, 0, 0, 0), f"seed {seed}: {r}"
     assert r.rows == schedule.n_prompts, f"seed {seed}: {r}"
+    assert not r.liveness_problems, f"seed {seed}: unservable prompts not stored as their error rows: {r.liveness_problems}"
 
 
 @pytest.mark.slow

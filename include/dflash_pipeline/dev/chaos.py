@@ -9,7 +9,9 @@ or SIGKILLed at random moments and retried (a new try) like Airflow retries a fa
 Most schedules also inject faults at the protocol's own state transitions (dev/transitions.py:
 delays, leases lost to a peer, a stop landing in a window, checkpoints in flight at the stop),
 drawn from a stream of the seed of their own, so a seed's S3, server and worker events stay what
-they were before transition faults existed.
+they were before transition faults existed. Most also get liveness faults (dev/chaos_liveness.py:
+whole chunks of prompts no server can serve, servers busy enough to shed requests with 503), from a
+stream of their own too; the unservable prompts must end as ContextLengthExceeded error rows.
 
 Every schedule must end, within a bound, with every planned id exactly once, no unfinished answer
 stored and no claim left; `requests wasted` (generation requests beyond one per row) is printed.
@@ -43,6 +45,17 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import decode_part
 from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.dev.chaos_liveness import (
+    Busy,
+    LivenessFaults,
+    check_unservable,
+    draw_liveness,
+    liveness_prompts,
+    run_params,
+    sim_knobs,
+    start_busy,
+    unservable_ids,
+)
 from dflash_pipeline.dev.s3faults import S3FaultProxy
 from dflash_pipeline.dev.sim import SimConfig, SimFleet
 from dflash_pipeline.dev.sim.slowprobe import set_probe_delay
@@ -101,17 +114,20 @@ class Schedule:
     lease_s: float = 8.0
     stop_grace_s: float = STOP_GRACE_S
     transitions: TransitionRates = field(default_factory=TransitionRates)
+    liveness: LivenessFaults = field(default_factory=LivenessFaults)
 
     def describe(self) -> str:
         ev = ", ".join(f"{e.kind}{'' if e.kind == 'outage' else e.target}@{e.at_s:.0f}s" for e in self.events)
         s3 = "/".join(f"{self.s3[k]:.0%}" for k in ("slowdown", "conflict", "lost"))
         t = f"; {self.transitions.describe()}" if self.transitions.any else ""
+        t += f"; {self.liveness.describe()}" if self.liveness.any else ""
         return f"{self.n_servers} srv, {self.n_prompts} prompts, S3 {s3}; {ev or 'no events'}{t}"
 
 
 def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
                     n_servers: int | None = None, transitions: bool = True,
-                    always_transitions: bool = False) -> Schedule:
+                    always_transitions: bool = False, liveness: bool = True,
+                    always_liveness: bool = False) -> Schedule:
     """A schedule drawn from `seed`. At least one server never dies for good (a run needs one).
 
     Transition faults (`transitions`; none with `s3_only`) come from a stream of their own, so the
@@ -153,6 +169,8 @@ def random_schedule(seed: int, *, outage_s: float = 8.0, s3_only: bool = False,
         # try stops itself early.
         if not any(e.kind == "sigterm" and e.at_s >= SURE_SIGTERM_S for e in events):
             sc.transitions = sc.transitions.with_certain_stop()
+    if liveness and not s3_only:
+        sc.liveness = draw_liveness(seed, sc.n_prompts, sc.save_every, n_servers, always=always_liveness)
     return sc
 
 
@@ -226,6 +244,10 @@ class ChaosResult:
     stop_bound_s: float = STOP_GRACE_S + STOP_MARGIN_S
     slow_stops: list[str] = field(default_factory=list)
     protocol_errors: list[str] = field(default_factory=list)
+    #: Liveness faults (chaos_liveness.py): requests the busy servers shed (503 queue full), unservable
+    #: prompts; and any unservable prompt that did not end as a ContextLengthExceeded error row.
+    liveness: dict[str, int] = field(default_factory=dict)
+    liveness_problems: list[str] = field(default_factory=list)
     thread_dumps: list[str] = field(default_factory=list)
     s3_faults: dict[str, int] = field(default_factory=dict)
     transition_faults: dict[str, int] = field(default_factory=dict)
@@ -239,7 +261,7 @@ class ChaosResult:
     def ok(self) -> bool:
         return not self.hung and self.missing == 0 and self.duplicated == 0 and self.unfinished_stored == 0 \
             and self.claims_left == 0 and self.rows > 0 and not self.slow_stops and not self.protocol_errors \
-            and self.failed_tries == 0 and not self.thread_errors
+            and self.failed_tries == 0 and not self.thread_errors and not self.liveness_problems
 
 
 def _prompts(n: int, seed: int) -> bytes:
@@ -350,13 +372,17 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
     sc = schedule
     result = ChaosResult(sc.seed, sc.describe(), stop_bound_s=sc.stop_grace_s + STOP_MARGIN_S)
     root = f"chaos/{sc.seed}-{int(time.time() * 1000)}"
-    s3_client.put_object(Bucket=bucket, Key=f"{root}/prompts.jsonl", Body=_prompts(sc.n_prompts, sc.seed))
+    long = unservable_ids(sc.liveness, sc.n_prompts, sc.save_every, sc.n_servers)
+    s3_client.put_object(Bucket=bucket, Key=f"{root}/prompts.jsonl",
+                         Body=liveness_prompts(sc.seed, sc.n_prompts, long) if long else _prompts(sc.n_prompts, sc.seed))
     configs = [SimConfig(token_time_s=token_time_s, length_scale=0.05, max_running_requests=6, hang_s=60.0,
-                         fault_seed=sc.seed * 10 + i, **knobs) for i, knobs in enumerate(sc.servers)]
+                         fault_seed=sc.seed * 10 + i, **knobs, **sim_knobs(sc.liveness))
+               for i, knobs in enumerate(sc.servers)]
     params: dict[str, Any] = {
         "prompts_uri": f"s3://{bucket}/{root}/prompts.jsonl", "output_uri": f"s3://{bucket}/{root}/ds",
         "save_every": sc.save_every, "request_timeout_s": 12, "server_lost_after_s": 10,
         "server_handoff_after_s": 1, "claim_lease_s": sc.lease_s, "max_attempts": 6,
+        **run_params(sc.liveness),
     }
     # WorkerSettings that are not run params: the stop grace, and how often checkpoints are taken.
     worker_settings = {"stop_grace_s": sc.stop_grace_s, "checkpoint_every_s": sc.transitions.checkpoint_every_s}
@@ -385,7 +411,8 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
             for i in range(sc.n_servers):
                 start(i)
             t0 = time.monotonic()
-            pending = list(sc.events)
+            pending = sorted([*sc.events, *(Event(b.at_s, "busy", b.target, b.duration_s) for b in sc.liveness.busy)],
+                             key=lambda e: e.at_s)
             retry_at: dict[int, float] = {}
             while not all(done):
                 now = time.monotonic() - t0
@@ -397,7 +424,9 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                     break
                 while pending and pending[0].at_s <= now:
                     ev = pending.pop(0)
-                    if ev.kind == "crash":
+                    if ev.kind == "busy":
+                        start_busy(fleet.servers[ev.target], Busy(ev.at_s, ev.target, ev.arg or 1.0))
+                    elif ev.kind == "crash":
                         fleet.servers[ev.target].crash(ev.arg)
                     elif ev.kind == "outage":
                         proxy.outage(ev.arg or 1.0)
@@ -458,6 +487,8 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                 time.sleep(0.05)
             result.wall_s = round(time.monotonic() - t0, 1)
             result.requests = sum(s.stats()["generation_requests"] for s in fleet.servers)
+            result.liveness = {"queue_full": sum(s.stats()["rejected_queue_full"] for s in fleet.servers),
+                               "unservable": len(long)}
     finally:
         for p in procs.values():
             p.send(signal.SIGKILL)
@@ -494,6 +525,10 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                 f"{obj.key} etag {obj.etag} modified {obj.last_modified:%H:%M:%S} ({age:.0f}s before the check), "
                 f"part {'committed' if part else 'absent'}: {got[0].decode(errors='replace') if got else 'gone'}")
     result.wasted = result.requests - result.completions
+    if long:
+        result.liveness_problems = check_unservable(
+            [row for obj in store.list(layout.completions_prefix)
+             for got in [store.get(obj.key)] if got for row in decode_part(got[0]).to_pylist()], sc.seed, long)
     return result
 
 

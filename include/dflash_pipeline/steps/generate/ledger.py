@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from dflash_pipeline.steps.generate.state import OpenChunk
 
@@ -57,13 +58,15 @@ class Ledger:
             if self._open.get(chunk.index) is chunk:
                 del self._open[chunk.index]
 
-    def take_open(self) -> list[OpenChunk]:
-        """Every open chunk, removed (a hand-off or the stop path takes them all)."""
+    def take_open(self, keep: Callable[[OpenChunk], bool] | None = None) -> list[OpenChunk]:
+        """Every open chunk, removed (the stop path takes them all); a hand-off leaves those `keep`
+        says (main's: chunks with requests in flight)."""
         with self._lock:
-            chunks = list(self._open.values())
-            self._open.clear()
-            self._offered = []
-            self._offered_prompts = 0
+            chunks = [ch for ch in self._open.values() if keep is None or not keep(ch)]
+            for ch in chunks:
+                del self._open[ch.index]
+            self._offered = [ch for ch in self._offered if ch.index in self._open]
+            self._offered_prompts = sum(len(ch.prompts_to_send()) for ch in self._offered)
             return chunks
 
     def to_commit(self, chunk: OpenChunk) -> None:

@@ -69,11 +69,10 @@ class WorkerSettings:
     checkpoint_every_s: float = 60.0
     # After request_stop(): time to commit complete chunks, save partials and release claims.
     stop_grace_s: float = 3.0
-    # Breaker: over the last `breaker_window` results, trip at this permanent-error share alone, or
-    # at `breaker_share_vs_fleet` when the other workers' share is at most a quarter of ours.
+    # Breaker (breaker.py): at this share of permanent errors over the last `breaker_window` results
+    # the server is suspected and judged against the fleet; a share alone never trips it.
     breaker_window: int = 40
-    breaker_share_alone: float = 0.95
-    breaker_share_vs_fleet: float = 0.5
+    breaker_suspect_share: float = 0.5
 
     @property
     def owner(self) -> str:

@@ -22,7 +22,8 @@ class ServerConfigError(Exception):
 
 
 class ServerBroken(ServerConfigError):
-    """The server answers (nearly) every request with a permanent error while the fleet does not."""
+    """The server refuses what its peers serve: a one-line prompt, or prompts that fit the fleet's
+    context (breaker.py). Never raised for prompts no server can serve: those are error rows."""
 
 
 class TaskStopped(Exception):
@@ -57,6 +58,9 @@ class OpenChunk:
     # Times each unit was put back because the server (not the prompt) failed; main only. Lives
     # and dies with the chunk, so it never grows with the dataset.
     requeues: dict[str, int] = field(default_factory=dict)
+    # Requests of this chunk out on request threads; main only. A hand-off leaves a chunk with some
+    # out until they are back, so a generation finishing in flight is never thrown away.
+    in_flight: int = 0
 
     @property
     def dropped(self) -> bool:
@@ -107,6 +111,11 @@ class WorkerStats:
     requests_sent: int = 0
     requests_requeued: int = 0
     handoffs: int = 0
+    # A 503 / transient failure while the server showed a sign of life: put back, not failing.
+    busy_requeues: int = 0
+    # Breaker suspicions judged (breaker.py), and those judged the prompts' fault.
+    breaker_checks: int = 0
+    prompt_verdicts: int = 0
     started_t: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:

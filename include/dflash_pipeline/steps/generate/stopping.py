@@ -5,7 +5,7 @@ Owners:
   when, and so its absolute deadline (`stop_grace_s` after the request). Only `request()` changes
   it; it is called from the stop-signal watcher thread (stopsignal.py), never inside a handler.
   It is the one clock of every blocking call on main (docs/liveness.md): work that only serves a
-  running worker (scans, sweeps, the breaker's fleet read: main's S3 calls go through
+  running worker (scans, sweeps: main's S3 calls go through
   `Worker.main_store`, a `StopBoundStore`) is abandoned at `abandon_at()`, the request itself; the
   stop's own work (commits, saves, releases, the joins below) runs to `deadline()`.
 - `Closer` runs in main, after main's loop has left: it owns the order of the end. It changes the
@@ -75,7 +75,7 @@ class StopRequest:
         return float("inf") if self.t is None else self.t + self.grace_s
 
     def abandon_at(self) -> float:
-        """When work that only serves a running worker (scans, sweeps, the breaker's fleet read, load
+        """When work that only serves a running worker (scans, sweeps, load
         probes) is abandoned: at the request itself (monotonic; no stop asked: never). The stop's time
         up to `deadline()` is for the stop's own work: commits, saving rows, releasing claims."""
         return float("inf") if self.t is None else self.t

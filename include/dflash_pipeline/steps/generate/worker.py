@@ -28,12 +28,13 @@ Threads and what they own (each shared thing has one owner object with a narrow 
 - request threads: one unit each (all its turns); they read their chunk's `dropped` and the stop.
 - pilot (serving/pilot.py): the in-flight limit; main and the claimer only read it.
 
-Failure handling. A failed request is a row (outcomes.py). A server that fails every request for
-`handoff_after_s` (transient failures with nothing succeeding, /health or not) hands its open
-chunks (finished rows saved as partials) to the fleet, stops claiming and probes it with a 1-token
-generation; it takes work again when a probe succeeds, or fails with ServerLost after
-`server_lost_after_s`. A server answering nearly everything with permanent errors while the fleet
-does not trips the breaker (ServerBroken). `request_stop()` (SIGTERM) ends `run()` within
+Failure handling (docs/liveness.md). A failed request is a row (outcomes.py). A failing server
+(failing.py: transient failures, nothing succeeding, no sign of life) gets nothing new and a 1-token
+probe; after `handoff_after_s` its open chunks go to the fleet (finished rows saved as partials; a
+chunk with requests in flight only once they are back), after `server_lost_after_s` ServerLost. A
+busy server (requests running, ours in flight) is not failing: what it refuses goes back in line.
+A server answering mostly permanent errors is paused and judged (breaker.py): ServerBroken only
+when it refuses what its peers serve. `request_stop()` (SIGTERM) ends `run()` within
 `stop_grace_s`, a hand-off in progress included: complete chunks are committed or saved first,
 then every other held chunk's finished rows, and the claims released.
 
@@ -55,7 +56,7 @@ from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import unit_key, warm_up
 from dflash_pipeline.dataset.store import StopCut, Store, stop_bound
 from dflash_pipeline.serving.concurrency import ConcurrencyPolicy
-from dflash_pipeline.serving.deadline import DeadlinePolicy
+from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
 from dflash_pipeline.serving.engines import DEFAULT_CAPACITY
 from dflash_pipeline.serving.pilot import concurrency_for
 from dflash_pipeline.serving.sglang import new_chat_client
@@ -71,7 +72,7 @@ from dflash_pipeline.steps.generate.chunks import (
 )
 from dflash_pipeline.steps.generate.claiming import Claimer
 from dflash_pipeline.steps.generate.committing import Committer
-from dflash_pipeline.steps.generate.failing import ServerHealth
+from dflash_pipeline.steps.generate.failing import ServerHealth, ShedCap
 from dflash_pipeline.steps.generate.handback import PartialWriter
 from dflash_pipeline.steps.generate.ledger import Ledger
 from dflash_pipeline.steps.generate.outcomes import error_row
@@ -127,13 +128,16 @@ class Worker:
         self.ledger = Ledger()
         self._io = DaemonPool(3, "s3io")
         self.stop = StopRequest(s.stop_grace_s)
-        # Main's S3 calls (scans, sweeps, the breaker's fleet read) are abandoned at a stop request:
+        # Main's S3 calls (scans, sweeps) are abandoned at a stop request:
         # they only serve a running worker, and the stop's time is for saving and releasing
         # (stopping.py). The stop path's own calls (commits, hand-backs) run to the stop's deadline.
         self.main_store = stop_bound(store, self.stop.event, self.stop.abandon_at)
         self.scanner = Scanner(self.main_store, layout, s, self.n_chunks, self.leases, self._io)
         self.partials = PartialWriter(store, layout)
-        self.health = ServerHealth(s, session_factory, probe_every_s=max(0.2, min(1.0, s.handoff_after_s / 4)))
+        # Signs of life come from the server's shared load probe (the one the pilot samples).
+        watch = server_watch(s.run_id, s.server, s.engine, DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s))
+        self.health = ServerHealth(s, session_factory, probe_every_s=max(0.2, min(1.0, s.handoff_after_s / 4)),
+                                   load=(lambda: watch.sample(max_age_s=0.25)[1]) if watch.probing else None)
         self.claimer = Claimer(store=store, layout=layout, settings=s, manifest=manifest, leases=self.leases,
                                chunks=self.chunks, ledger=self.ledger, scanner=self.scanner, io=self._io,
                                demand=self._demand, failing_since=self.health.failing_since, count=self._count)
@@ -149,7 +153,8 @@ class Worker:
         self._tok_window: deque[tuple[float, int]] = deque()
         self._done_times: deque[float] = deque()
         self._full_chunk = max(self.sizes, default=0)
-        self.breaker = Breaker(self.main_store, layout, s)
+        self.shed = ShedCap()
+        self.breaker = Breaker(s, session_factory, fleet_servers=manifest.get("servers"))
         # The in-flight limit: discovered from the server's live load, or the user's figure
         # (serving/pilot.py; its own thread probes, main and the claimer read `limit`).
         self.concurrency = concurrency_for(
@@ -218,7 +223,7 @@ class Worker:
         """The claimer's question: claim more now? While the prompts ready to send cover less than
         the in-flight limit plus `ahead_s` of work, and the rows held stay under the cap; never
         while the server is failing or the worker stopping."""
-        if self.health.failing or self.stop.requested:
+        if self.health.failing or self.breaker.deciding or self.stop.requested:
             return False
         ready = len(self.pending) + self.ledger.offered_prompts()
         want = self._limit() + int(self._rate() * ahead_s)
@@ -237,13 +242,15 @@ class Worker:
             self.pending.extend((chunk, p) for p in todo)
         limit = self._limit()
         pool.ensure(limit)
-        while self.in_flight < limit and self.pending:
+        limit = self.shed.limit(limit)
+        while self.in_flight < limit and self.pending and not self.breaker.deciding:
             chunk, prompt = self.pending.popleft()
             if chunk.dropped:
                 self.ledger.forget(chunk)
                 continue
             pool.submit((chunk, prompt))
             self.in_flight += 1
+            chunk.in_flight += 1
             self.stats.requests_sent += 1
         if self._demand(self.claimer.lookahead_s()):
             self.claimer.wake.set()
@@ -261,6 +268,7 @@ class Worker:
     def _handle(self, out: Outcome) -> None:
         self.in_flight -= 1
         chunk = out.chunk
+        chunk.in_flight -= 1
         if chunk.dropped:
             self._count("rows_discarded")
             self.ledger.forget(chunk)
@@ -277,6 +285,7 @@ class Worker:
             while self._done_times and now - self._done_times[0] > 10.0:
                 self._done_times.popleft()
             self.breaker.record(None)
+            self.shed.completed(self._limit())
         else:
             f = out.failure
             if f is None:  # stopped before any answer: not a result
@@ -286,6 +295,15 @@ class Worker:
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
             pid = unit_key(out.prompt)
+            if f.transient and self.health.servers_fault(out.last_failure_t) and not self.health.failing \
+                    and self.health.busy(self.in_flight):
+                # Busy, not failing (failing.py): refused (503 queue full) while running ours. Not
+                # the prompt's fault nor a reason to pause: back in line, uncounted, fewer in flight.
+                self.pending.appendleft((chunk, out.prompt))
+                self.stats.requests_requeued += 1
+                self.stats.busy_requeues += 1
+                self.shed.shed(self.in_flight)
+                return
             if f.transient and self.health.servers_fault(out.last_failure_t) and (
                     self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
                 # Nothing succeeded since this request last failed: the server, not the prompt, is
@@ -305,20 +323,42 @@ class Worker:
                 self.stats.permanent_errors += 1
             self.breaker.record(f)
         chunk.results[unit_key(row)] = row
-        if chunk.complete:
+        if chunk.complete and not self.breaker.deciding:  # held while the breaker judges (breaker.py)
             self._finish_chunk(chunk)
+
+    def _judge(self) -> None:
+        """Main: the breaker's verdict, once in. Broken: this server's permanent error rows are taken
+        out of its open chunks (none of them is committed; their prompts are redone elsewhere) and
+        ServerBroken raised. Otherwise the chunks completed while it was judged go to the committer."""
+        try:
+            verdict = self.breaker.poll()
+        except ServerBroken:
+            for chunk in self.ledger.open_chunks():
+                chunk.results = {k: r for k, r in chunk.results.items()
+                                 if not r.get("error_class") or r.get("retryable")}
+            raise
+        if verdict is None:
+            return
+        self.stats.breaker_checks += 1
+        self.stats.prompt_verdicts += verdict == "prompts"
+        for chunk in self.ledger.open_chunks():
+            if chunk.complete and not chunk.dropped and chunk.lease is not None \
+                    and chunk.lease.state in (State.OPEN, State.REPAIRING):
+                self._finish_chunk(chunk)
 
     def _while_failing(self) -> None:
         """Main, while the server is failing: probe it; hand the open chunks to the fleet after
         `handoff_after_s`; give up after `server_lost_after_s` (module docstring)."""
-        if self.health.poll():
+        if self.health.poll(self.in_flight):
             self.claimer.wake.set()
             return
         down_for = self.health.failing_for()
         s = self.settings
-        if down_for >= s.handoff_after_s and (self.ledger.has_open() or self.pending):
+        if down_for >= s.handoff_after_s and any(ch.in_flight <= 0 for ch in self.ledger.open_chunks()):
+            # A chunk with requests in flight stays until they are back: a generation finishing
+            # now is kept (its row is handed back with the chunk, or the server resumes).
             why = f"server {s.server.name} failing for {down_for:.0f}s"
-            jobs = self._take_open(keep_errors=True)
+            jobs = self._take_open(keep_errors=True, keep_busy=True)
             t0 = time.monotonic()
             self.closer.hand_off(why, jobs, lambda: min(t0 + 30.0, self.stop.deadline()))
         if down_for >= s.server_lost_after_s:
@@ -327,12 +367,15 @@ class Worker:
                 f"(server_lost_after_s={s.server_lost_after_s:g})"
             )
 
-    def _take_open(self, keep_errors: bool) -> list[Job]:
+    def _take_open(self, keep_errors: bool, keep_busy: bool = False) -> list[Job]:
         """Main takes every open (and offered) chunk back from the Ledger and moves its lease
-        OPEN/REPAIRING -> RELEASED: the jobs to hand back (finished rows to save)."""
-        self.pending.clear()
+        OPEN/REPAIRING -> RELEASED: the jobs to hand back (finished rows to save). `keep_busy`
+        (a hand-off): chunks with requests in flight stay open, with their unsent prompts."""
+        busy = (lambda ch: ch.in_flight > 0) if keep_busy else None  # noqa: E731
+        taken = self.ledger.take_open(keep=busy)
+        self.pending = deque(item for item in self.pending if busy is not None and busy(item[0]))
         jobs: list[Job] = []
-        for chunk in self.ledger.take_open():
+        for chunk in taken:
             lease = chunk.lease
             if chunk.dropped or lease is None or lease.state not in (State.OPEN, State.REPAIRING, State.CLAIMED):
                 continue
@@ -407,6 +450,7 @@ class Worker:
         try:
             while True:
                 self._raise_thread_errors()
+                self._judge()
                 if self.health.failing:
                     self._while_failing()
                 else:
@@ -428,7 +472,7 @@ class Worker:
                     self.stop.wait(s.poll_s)
                     continue
                 try:
-                    item = pool.out.get(timeout=0.5 if not self.health.failing else 0.1)
+                    item = pool.out.get(timeout=0.1 if self.health.failing or self.breaker.deciding else 0.5)
                 except queue.Empty:
                     item = None
                 while item is not None:
