@@ -85,3 +85,26 @@ def test_breakdown_by_key_counts_rows_without_stats() -> None:
     assert out["math"].per_position == pytest.approx([14 / 20, 8 / 20])
     assert out["chat"].rows == 1 and out["chat"].rows_with_stats == 0 and out["chat"].acceptance_length is None
     assert group_figure([]).acceptance_length is None
+
+
+def test_large_samples_use_the_delta_method_and_agree_with_bca() -> None:
+    """Above BOOTSTRAP_MAX_ROWS the interval is the delta method's (BCa's jackknife is n x n); on a
+    sample just under the limit both intervals agree closely, and a big one covers its truth."""
+    from dflash_pipeline.serving.specstats import BOOTSTRAP_MAX_ROWS, delta_ci
+
+    rng = np.random.default_rng(3)
+    p, k = 0.7, 3
+    truth = 1 + sum(p**i for i in range(1, k + 1))
+
+    def sample(n: int) -> tuple[np.ndarray, np.ndarray]:
+        steps = rng.integers(10, 300, size=n)
+        acc = np.array([int(np.minimum(rng.geometric(1 - p, size=s) - 1, k).sum()) for s in steps])
+        return steps, acc
+
+    v, a = sample(BOOTSTRAP_MAX_ROWS)
+    bca, delta = bootstrap_ci(v, a, n_resamples=1000), delta_ci(v, a)
+    assert bca is not None and delta is not None
+    assert abs(bca[0] - delta[0]) < 0.25 * (bca[1] - bca[0]) and abs(bca[1] - delta[1]) < 0.25 * (bca[1] - bca[0])
+    v, a = sample(20_000)
+    big = bootstrap_ci(v, a)
+    assert big == delta_ci(v, a) and big[0] <= truth <= big[1]

@@ -94,6 +94,22 @@ CONV = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"
         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "reasoning": "r2"}]
 
 
+def test_profiles_carry_the_rows_labels() -> None:
+    labelled = {"source": "gsm8k", "domain": "math", "metadata": '{"level":3}', "thinking": False}
+    t = table([row("a", [0, 1, 1]) | labelled, row("b#sample=1", [0, 1, 1], sample=1)])
+    out = build_profile_files(t, 3, ["speculators", "parquet", "specforge"], thinking=True, conversations=[CONV, CONV])
+    sf = [json.loads(x) for x in out.files["tokenized/specforge/part-000003.jsonl"].splitlines()]
+    assert {k: sf[0][k] for k in labelled} == labelled
+    assert {k: sf[1][k] for k in labelled} == {"source": "", "domain": "", "metadata": "", "thinking": True}
+    sp = [json.loads(x) for x in out.files["tokenized/speculators/part-000003.jsonl"].splitlines()]
+    assert {k: sp[0]["metadata"][k] for k in labelled} == labelled
+    ev = [json.loads(x) for x in out.files["tokenized/specforge-conversations/part-000003.jsonl"].splitlines()]
+    assert {k: ev[0][k] for k in labelled} == labelled
+    pf = pq.read_table(io.BytesIO(out.files["tokenized/parquet/part-000003.parquet"])).to_pylist()
+    assert {k: pf[0][k] for k in labelled} == labelled
+    assert [pf[1][k] for k in ("source", "domain", "metadata", "thinking")] == [None, None, None, None]
+
+
 def test_profile_files_layout_and_contents() -> None:
     t = table([row("p#sample=1#turn=1", [0, 1, 1], sample=1, turn=1)])
     out = build_profile_files(t, 7, ["speculators", "parquet", "specforge"], thinking=True, conversations=[CONV])
@@ -101,7 +117,9 @@ def test_profile_files_layout_and_contents() -> None:
                                  "tokenized/specforge/part-000007.jsonl", "tokenized/speculators/part-000007.jsonl"]
     assert profile_keys("specforge", 7)["tokens"] == "tokenized/specforge/part-000007.jsonl"
     sf = json.loads(out.files["tokenized/specforge/part-000007.jsonl"])
-    assert sf == {"id": "p#sample=1#turn=1", "input_ids": [100, 101, 102], "loss_mask": [0, 1, 1]}
+    # the row's labels ride along ("" for none: datasets' json builder fixes a column's type from its first file)
+    assert sf == {"id": "p#sample=1#turn=1", "input_ids": [100, 101, 102], "loss_mask": [0, 1, 1],
+                  "source": "", "domain": "", "thinking": True, "metadata": ""}
     sp = json.loads(out.files["tokenized/speculators/part-000007.jsonl"])
     assert (sp["id"], sp["primary_id"], sp["input_ids"], sp["loss_mask"]) == ("p#sample=1#turn=1", "p#sample=1", [100, 101, 102], [0, 1, 1])
     assert sp["metadata"]["finish_reason"] == "stop" and sp["metadata"]["turn"] == 1
@@ -115,6 +133,8 @@ def test_profile_files_layout_and_contents() -> None:
     assert pf.schema.remove_metadata() == TRAINING_ROW_SCHEMA and pf.to_pylist() == t.to_pylist()
     assert json.loads(pf.schema.metadata[b"huggingface"])["info"]["features"] == HF_FEATURES
     assert HF_FEATURES["input_ids"] == {"feature": {"dtype": "int32", "_type": "Value"}, "_type": "List"}
+    assert HF_FEATURES["thinking"] == {"dtype": "bool", "_type": "Value"}
+    assert HF_FEATURES["domain"] == HF_FEATURES["metadata"] == {"dtype": "string", "_type": "Value"}
     again = build_profile_files(t, 7, ["parquet", "specforge", "speculators"], thinking=True, conversations=[CONV])
     assert again.files == out.files
 

@@ -59,6 +59,36 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "limit can never change under a root.",
         "section": SECTION_DATA,
     },
+    "heldout_fraction": {
+        "type": "number",
+        "default": 0.0,
+        "minimum": 0,
+        "maximum": 0.5,
+        "description": "Share of the prompts held out of the training data, by conversation: an id is held "
+        "out when sha256(heldout_salt:id) as a fraction of 2^64 is below this, so every sample of a prompt "
+        "goes the same way and reruns agree. Held-out prompts are not generated; plan writes them to "
+        "<output_uri>/heldout/prompts.jsonl.gz (a prompts_uri for the eval) and tokenize refuses them. "
+        "Pinned in the manifest. 0 = no split.",
+        "section": SECTION_DATA,
+    },
+    "heldout_salt": {
+        "type": "string",
+        "default": "dflash-heldout",
+        "minLength": 1,
+        "maxLength": 200,
+        "description": "Salt of the held-out hash: another salt draws an independent split of the same "
+        "ids. Pinned in the manifest with heldout_fraction.",
+        "section": SECTION_DATA,
+    },
+    "heldout_uri": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^s3://[^/]+/.+",
+        "description": "s3://bucket/key of a file naming prompts to hold out as well: one id per line "
+        "(text or JSON), or prompt rows (JSONL, .jsonl.gz, Parquet) whose id is taken, or derived from the "
+        "content as plan derives it. Null = none. Pinned in the manifest (with its ETag).",
+        "section": SECTION_DATA,
+    },
     "aws_conn_id": {
         "type": "string",
         "default": "aws_default",
@@ -328,6 +358,9 @@ class RunConfig:
     max_truncation_rate: float = 0.10
     max_missing_reasoning_rate: float = 0.005
     tokenizer: str | None = None
+    heldout_fraction: float = 0.0
+    heldout_salt: str = "dflash-heldout"
+    heldout_uri: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RunConfig":
@@ -352,6 +385,12 @@ class RunConfig:
             prompts.key == out.key or prompts.key.startswith(out.key + "/")
         ):
             raise ConfigError("prompts_uri must not lie inside output_uri (the dataset root)")
+        heldout_uri = params.get("heldout_uri")
+        if heldout_uri is not None:
+            try:
+                parse_s3_uri(heldout_uri, what="heldout_uri")
+            except UriError as exc:
+                raise ConfigError(str(exc)) from exc
         tokenizer = params.get("tokenizer")
         if isinstance(tokenizer, str) and tokenizer.startswith("s3://"):
             try:
@@ -395,6 +434,9 @@ class RunConfig:
             max_truncation_rate=float(get("max_truncation_rate")),
             max_missing_reasoning_rate=float(get("max_missing_reasoning_rate")),
             tokenizer=get("tokenizer") or None,
+            heldout_fraction=float(get("heldout_fraction")),
+            heldout_salt=str(get("heldout_salt")),
+            heldout_uri=get("heldout_uri") or None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -432,6 +474,8 @@ def _check_schema(name: str, value: Any, schema: dict[str, Any]) -> None:
         raise ConfigError(f"param {name}: {value!r} is not one of {schema['enum']}")
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         raise ConfigError(f"param {name}: must not be empty")
+    if isinstance(value, str) and len(value) > schema.get("maxLength", 1 << 30):
+        raise ConfigError(f"param {name}: at most {schema['maxLength']} characters")
     if isinstance(value, (list, tuple)):
         if len(value) < schema.get("minItems", 0):
             raise ConfigError(f"param {name}: needs at least {schema['minItems']} item(s)")

@@ -67,6 +67,15 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "of the shards.",
         "section": SECTION_TOKENIZE,
     },
+    "heldout_uri": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^s3://[^/]+/.+",
+        "description": "s3://bucket/key of a file naming conversations to keep out of the shards on top of the "
+        "dataset's own held-out split (always enforced): one id per line, or prompt rows whose id is taken. For "
+        "a dataset planned before it had a split, or a benchmark named later. Pinned with the settings.",
+        "section": SECTION_TOKENIZE,
+    },
     "workers": {
         "type": "integer",
         "default": 4,
@@ -149,6 +158,7 @@ class TokenizeConfig:
     profiles: tuple[str, ...] = TOKENIZE_PROFILES
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
+    heldout_uri: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -158,14 +168,15 @@ class TokenizeConfig:
             raise ConfigError(f"unknown conf key(s) {unknown}; valid keys are {sorted(TOKENIZE_PARAM_SCHEMAS)}")
         for name, value in params.items():
             _check_schema(name, value, TOKENIZE_PARAM_SCHEMAS[name])
-        for name in ("output_uri", "tokenizer"):
+        for name in ("output_uri", "tokenizer", "heldout_uri"):
             value = params.get(name)
-            if isinstance(value, str) and (name == "output_uri" or value.startswith("s3://")):
+            if isinstance(value, str) and (name != "tokenizer" or value.startswith("s3://")):
                 try:
                     parse_s3_uri(value, what=name)
                 except UriError as exc:
                     raise ConfigError(str(exc)) from exc
         values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
         values["tokenizer"] = values["tokenizer"] or None
+        values["heldout_uri"] = values["heldout_uri"] or None
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
         return cls(**values)

@@ -119,6 +119,15 @@ class DatasetLayout:
     def rejects_key(self) -> str:
         return self._k("rejects/rejects.jsonl")
 
+    @property
+    def heldout_prefix(self) -> str:
+        return self._k("heldout/")
+
+    @property
+    def heldout_prompts_key(self) -> str:
+        """The held-out prompts plan kept out of the dataset, in the input format (a prompts_uri)."""
+        return self._k("heldout/prompts.jsonl.gz")
+
     def input_key(self, plan_id: str, chunk: int) -> str:
         return f"{self.inputs_prefix}{plan_id}/chunk-{chunk:0{CHUNK_DIGITS}d}.parquet"
 

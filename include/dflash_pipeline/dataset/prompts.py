@@ -3,6 +3,12 @@
 Every row is either a `Prompt` (normalised messages and a stable id) or a `Reject` carrying the line
 (JSONL) or row number (Parquet) and a reason a person can act on. Nothing here talks to S3 or Airflow;
 `plan` feeds it a byte stream.
+
+Row metadata: a row may carry `source` and `domain` (strings) and `metadata` (a JSON object); every other
+top-level key of the row (anything but `id`, `messages`, `prompt`) is kept inside the metadata too (the
+`metadata` object's own value wins on a clash), so nothing a user put in a row is lost on its way to the
+completions and the training rows. The row's domain is its `domain`, else `metadata["domain"]` when that
+is a string, else null.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import IO, Any
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+# Keys of an input row that are not row metadata: the conversation and its id.
+CONVERSATION_KEYS = ("id", "messages", "prompt")
+MAX_LABEL_LEN = 256
 MAX_ID_LEN = 512
 REGENERATE_MODES = ("last_turn", "all_turns")
 
@@ -35,6 +44,10 @@ class Prompt:
     line: int
     # The row's messages exactly as read (role, content, reasoning), old answers included.
     original: list[dict[str, Any]] | None = None
+    source: str | None = None
+    domain: str | None = None
+    # The row's `metadata` object plus its other extra keys; None when it has neither.
+    metadata: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,34 @@ def detect_format(key: str, head: bytes) -> str:
     if lowered.endswith((".jsonl", ".json", ".ndjson", ".jsonl.gz")):
         return "jsonl"
     raise PromptFileError(f"cannot tell the format of {key!r}: use .jsonl, .jsonl.gz or .parquet")
+
+
+def parse_labels(row: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any] | None] | str:
+    """(source, domain, metadata) of a decoded row, or the reason they cannot be used."""
+    labels: list[str | None] = []
+    for name in ("source", "domain"):
+        value = row.get(name)
+        if value is not None and not isinstance(value, str):
+            return f"'{name}' must be a string, got {type(value).__name__}"
+        if isinstance(value, str) and len(value) > MAX_LABEL_LEN:
+            return f"'{name}' is longer than {MAX_LABEL_LEN} characters"
+        labels.append(value if value else None)
+    given = row.get("metadata")
+    if isinstance(given, str):  # a JSON-encoded object, as our own Parquet files carry it
+        try:
+            given = json.loads(given) if given.strip() else None
+        except json.JSONDecodeError:
+            return "'metadata' is a string that is not a JSON object"
+    if given is not None and not isinstance(given, dict):
+        return f"'metadata' must be a JSON object, got {type(given).__name__}"
+    # A null extra key carries nothing (a Parquet file has every column in every row).
+    extra = {k: v for k, v in row.items()
+             if k not in CONVERSATION_KEYS and k not in ("source", "domain", "metadata") and v is not None}
+    metadata: dict[str, Any] | None = {**extra, **(given or {})} or None
+    domain = labels[1]
+    if domain is None and metadata is not None and isinstance(metadata.get("domain"), str) and metadata["domain"]:
+        domain = metadata["domain"]
+    return labels[0], domain, metadata
 
 
 def _original(msg: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +182,11 @@ def normalize_row(row: Any, line: int, regenerate: str = "last_turn") -> Prompt 
             return Reject(line, "'id' is empty")
         if len(pid) > MAX_ID_LEN:
             return Reject(line, f"'id' is longer than {MAX_ID_LEN} characters")
+    labels = parse_labels(row)
+    if isinstance(labels, str):
+        return Reject(line, labels)
     digest = hashlib.sha256(canonical_messages(messages)).digest()[:16]
-    return Prompt(pid, messages, digest, line, original)
+    return Prompt(pid, messages, digest, line, original, *labels)
 
 
 def _excerpt(raw: bytes | str) -> str:
@@ -184,9 +228,9 @@ def iter_parquet(path_or_file: Any, batch_rows: int = 10_000, regenerate: str = 
         raise PromptFileError(
             f"Parquet columns are {sorted(names)}; a prompt file needs a 'messages' or 'prompt' column"
         )
-    columns = [c for c in ("id", "messages", "prompt") if c in names]
     rowno = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+    # Every column: the ones that are not the conversation are the rows' metadata.
+    for batch in pf.iter_batches(batch_size=batch_rows):
         for row in batch.to_pylist():
             rowno += 1
             yield normalize_row(row, rowno, regenerate)

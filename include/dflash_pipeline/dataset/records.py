@@ -8,6 +8,7 @@ A part holds exactly the rows of one planned chunk: one row per prompt, either a
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,10 +27,24 @@ TURN_TYPE = pa.struct(
         ("reasoning_tokens", pa.int64()),
         ("cached_tokens", pa.int64()),
         ("latency_s", pa.float64()),
+        # The turn's speculative decoding, null when its server does not speculate or does not say
+        # (serving/specstats.py defines them; serving/specwire.py reads them from each engine).
+        ("spec_verify_steps", pa.int64()),
+        ("spec_accepted_tokens", pa.int64()),
+        ("spec_draft_tokens", pa.int64()),
+        ("spec_accept_histogram", pa.list_(pa.int64())),
     ]
 )
 
 TOKEN_IDS_TYPE = pa.list_(pa.int32())
+
+# The input row's labels, carried from the prompt file through the chunk inputs to the completion rows
+# and the training rows: `source`, `domain` (strings or null) and `metadata` (the row's metadata object
+# JSON-encoded with sorted keys, null if none). Completion rows add `thinking`: the thinking mode the row
+# was generated with.
+ROW_LABEL_FIELDS = [("source", pa.string()), ("domain", pa.string()), ("metadata", pa.string())]
+ROW_LABEL_COLUMNS = tuple(name for name, _ in ROW_LABEL_FIELDS)
+THINKING_FIELD = ("thinking", pa.bool_())
 
 INPUT_SCHEMA = pa.schema(
     [
@@ -39,6 +54,7 @@ INPUT_SCHEMA = pa.schema(
         # One planned row per (id, sample): plan expands samples_per_prompt into units.
         ("sample", pa.int32()),
         ("original_messages", pa.list_(CONV_MESSAGE_TYPE)),
+        *ROW_LABEL_FIELDS,
     ]
 )
 
@@ -73,6 +89,15 @@ PART_SCHEMA = pa.schema(
         # text and checks it against `turns`' token counts). Training rows are built from these.
         ("prompt_token_ids", pa.list_(TOKEN_IDS_TYPE)),
         ("output_token_ids", pa.list_(TOKEN_IDS_TYPE)),
+        # Speculative decoding summed over the row's turns (null as for a turn) and its acceptance
+        # length, 1 + accepted / verify steps (serving/specstats.py).
+        ("spec_verify_steps", pa.int64()),
+        ("spec_accepted_tokens", pa.int64()),
+        ("spec_draft_tokens", pa.int64()),
+        ("spec_accept_histogram", pa.list_(pa.int64())),
+        ("acceptance_length", pa.float64()),
+        *ROW_LABEL_FIELDS,
+        THINKING_FIELD,
     ]
 )
 
@@ -87,6 +112,32 @@ def _to_parquet(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+def encode_metadata(value: Any) -> str | None:
+    """A row's metadata as its column holds it: a JSON object with sorted keys (values JSON cannot hold,
+    e.g. a Parquet timestamp, as their text), or null. An already encoded string passes through."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if not isinstance(value, dict):
+        raise TypeError(f"metadata must be a dict, got {type(value).__name__}")
+    if not value:
+        return None
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def decode_metadata(value: str | None) -> dict[str, Any] | None:
+    """The metadata column back as a dict (null: None)."""
+    return None if not value else json.loads(value)
+
+
+def row_labels(row: dict[str, Any]) -> dict[str, Any]:
+    """The labels a planned row passes on to its completion or error row (`thinking` only when the
+    planned row says, else the generate step fills in the mode it sent)."""
+    out = {"source": row.get("source"), "domain": row.get("domain"), "metadata": encode_metadata(row.get("metadata"))}
+    if row.get("thinking") is not None:
+        out["thinking"] = bool(row["thinking"])
+    return out
+
+
 def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
     table = pa.Table.from_pylist(
         [
@@ -96,6 +147,7 @@ def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
                 "prompt_chars": sum(len(m["content"]) for m in r["messages"]),
                 "sample": int(r.get("sample") or 0),
                 "original_messages": r.get("original_messages"),
+                **{k: v for k, v in row_labels(r).items() if k in ROW_LABEL_COLUMNS},
             }
             for r in rows
         ],
@@ -121,11 +173,11 @@ def decode_inputs(data: bytes) -> list[dict[str, Any]]:
     """The units of one chunk; inputs planned before samples existed read as sample 0."""
     pf = pq.ParquetFile(io.BytesIO(data))
     names = set(pf.schema_arrow.names)
-    columns = [c for c in ("id", "messages", "sample", "original_messages") if c in names]
+    columns = [c for c in ("id", "messages", "sample", "original_messages", *ROW_LABEL_COLUMNS) if c in names]
     rows = pf.read(columns=columns).to_pylist()
     for r in rows:
         r["sample"] = int(r.get("sample") or 0)
-        r.setdefault("original_messages", None)
+        r.setdefault("original_messages", None)  # labels absent from older inputs stay absent (read as None)
     return rows
 
 

@@ -28,6 +28,7 @@ from dflash_pipeline.serving.sglang import (
     _short,
     classify_http_error,
 )
+from dflash_pipeline.serving.specwire import sglang_spec_config, vllm_spec_config
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
         return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
     if info:
+        spec = sglang_spec_config(info)
         return ServerInfo(
             name=server.name,
             base_url=server.base_url,
@@ -101,6 +103,7 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
             context_length=num(info.get("context_length")),
             version=info.get("version"),
             engine=Engine.SGLANG.value,
+            speculative=spec.to_manifest() if spec else None,
         )
     version: str | None = None
     raw_version = _get_text(session, server, "/version", timeout_s)
@@ -115,9 +118,11 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
     is_vllm = version is not None and (max_model_len is not None or card.get("owned_by") == "vllm")
     engine = Engine.VLLM if is_vllm else Engine.OPENAI
     kv_tokens = None
+    vllm_spec = None
     if engine is Engine.VLLM:
         metrics = _get_text(session, server, "/metrics", timeout_s)
         kv_tokens = vllm_kv_tokens(metrics) if metrics else None
+        vllm_spec = vllm_spec_config(metrics, version)
     how = ("its /metrics load gauges" if engine is Engine.VLLM
            else "the latency of its answers (it has no load endpoint)")
     warning = (
@@ -137,6 +142,7 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
         version=version,
         engine=engine.value,
         capacity_warning=warning,
+        speculative=vllm_spec.to_manifest() if vllm_spec else None,
     )
 
 

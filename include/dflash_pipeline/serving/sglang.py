@@ -36,6 +36,8 @@ from dflash_pipeline.serving.engines import (
     reasoning_of,
     token_ids_of,
 )
+from dflash_pipeline.serving.specstats import SpecStats
+from dflash_pipeline.serving.specwire import spec_stats_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class ServerInfo:
     engine: str = Engine.SGLANG.value
     # Set when the capacity is our default, not the server's figure (vLLM, generic servers).
     capacity_warning: str | None = None
+    # The server's speculative decoding (specwire.SpecConfig.to_manifest()), None when it does not
+    # speculate: recorded in the manifest's server entry as `speculative`.
+    speculative: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -139,9 +144,11 @@ def request_seed(seed: int | None, prompt_id: str, sample: int = 0) -> int | Non
 def build_chat_body(
     messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str,
     engine: Engine | str | None = Engine.SGLANG, *, sample: int = 0,
+    spec_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The chat body for `engine`: `chat_template_kwargs` top-level for all (SGLang and vLLM both
-    read it there), `separate_reasoning` only for SGLang; the seed is the sample's."""
+    read it there), `separate_reasoning` only for SGLang; the seed is the sample's. `spec_fields`:
+    what makes a speculating server return each answer's statistics (specwire.request_fields)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -152,6 +159,8 @@ def build_chat_body(
         "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
     }
     adapter(engine).chat_body(body)
+    if spec_fields:
+        body.update(spec_fields)
     seed = request_seed(sampling.seed, prompt_id, sample)
     if seed is not None:
         body["seed"] = seed
@@ -197,6 +206,8 @@ class Completion:
     # when the engine returns it). int32 arrays: a held row costs 4 bytes per token, not a Python int.
     prompt_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     output_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # The request's speculative-decoding statistics when the server gave them (serving/specwire.py).
+    spec: SpecStats | None = None
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -235,6 +246,7 @@ def parse_chat_response(data: Any) -> Completion:
         reasoning_source=None if reasoning is None else ("field" if separated else "inline"),
         prompt_token_ids=None if prompt_ids is None else np.asarray(prompt_ids, dtype=np.int32),
         output_token_ids=None if output_ids is None else np.asarray(output_ids, dtype=np.int32),
+        spec=spec_stats_of(data),
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dflash_pipeline.config import RunConfig
+from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
 from dflash_pipeline.dataset.records import encode_inputs
@@ -89,6 +90,7 @@ class PlanStats:
     duplicates_dropped: int = 0
     rejects: int = 0
     limited: bool = False
+    heldout: int = 0
 
 
 class _Deduper:
@@ -129,7 +131,15 @@ class _Deduper:
         self._dir.cleanup()
 
 
-def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[str, Any]:
+def heldout_pins(cfg: RunConfig, heldout_etag: str | None) -> dict[str, Any] | None:
+    """The split's pin (None without a split, so roots planned before it existed still match): it
+    decides which prompts are planned, so it sits with the input and can never change under a root."""
+    if cfg.heldout_fraction <= 0 and cfg.heldout_uri is None:
+        return None
+    return {"fraction": cfg.heldout_fraction, "salt": cfg.heldout_salt, "uri": cfg.heldout_uri, "etag": heldout_etag}
+
+
+def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int, heldout_etag: str | None = None) -> dict[str, Any]:
     """What makes rows under one root comparable. A rerun must match (or accept_pin_changes)."""
     s = cfg.sampling
     pins: dict[str, Any] = {
@@ -150,6 +160,9 @@ def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int) -> dict[st
         pins["input"]["samples_per_prompt"] = s.samples_per_prompt
     if s.regenerate != "last_turn":
         pins["input"]["regenerate"] = s.regenerate
+    split = heldout_pins(cfg, heldout_etag)
+    if split is not None:
+        pins["input"]["heldout"] = split
     return pins
 
 
@@ -239,6 +252,7 @@ def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool)
         "prompts": manifest["input"]["prompts"],
         "chunks": len(manifest["chunks"]["sizes"]),
         "rejects": manifest["input"]["rejects"],
+        "heldout": (manifest.get("heldout") or {}).get("count", 0),
         "resumed": resumed,
     }
 
@@ -254,7 +268,11 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     head = with_retries(lambda: in_store.head(src.key), what="head prompts")
     if head is None:
         raise PlanError(f"prompts_uri {cfg.prompts_uri} does not exist")
-    pins = pinned_settings(cfg, head.etag, head.size)
+    try:
+        split, heldout_etag = load_split(client, cfg.heldout_uri, cfg.heldout_fraction, cfg.heldout_salt)
+    except HeldoutError as exc:
+        raise PlanError(str(exc)) from exc
+    pins = pinned_settings(cfg, head.etag, head.size, heldout_etag)
 
     existing = load_manifest(out_store, layout)
     if existing is not None:
@@ -286,6 +304,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     rejects: list[Reject] = []
     dedupe = _Deduper()
     sha = hashlib.sha256()
+    heldout = HeldoutWriter()
 
     def accepted_prompts() -> Iterator[Prompt]:
         try:  # exactly the version whose ETag the manifest pins, never a file replaced meanwhile
@@ -313,6 +332,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
                     if len(rejects) < MAX_REJECTS_KEPT:
                         rejects.append(Reject(item.line, verdict))
                     continue
+                if split.holds(item.id):  # never generated here: kept for the eval, outside `limit`
+                    stats.heldout += 1
+                    heldout.add(item)
+                    continue
                 if cfg.limit is not None and stats.accepted >= cfg.limit:
                     stats.limited = True
                     return
@@ -338,7 +361,8 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
                 size = sum(len(str(m.get("content") or "").encode()) for m in p.messages)
                 if k == 0 and size > longest["bytes"]:
                     longest = {"id": p.id, "chunk": index, "bytes": size}
-            data = encode_inputs([{"id": p.id, "messages": p.messages, "sample": k, "original_messages": p.original}
+            data = encode_inputs([{"id": p.id, "messages": p.messages, "sample": k, "original_messages": p.original,
+                                   "source": p.source, "domain": p.domain, "metadata": p.metadata}
                                   for p, k in chunk])
             key = layout.input_key(plan_id, index)
             with_retries(lambda: out_store.put(key, data), what=f"write {key}")
@@ -358,7 +382,12 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             f"{shown}{more}"
         )
     if stats.accepted == 0:
-        raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read)")
+        raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read, "
+                        f"{stats.heldout} held out)")
+    try:
+        heldout_entry = write_heldout(out_store, layout, split, heldout, stats.heldout)
+    except HeldoutError as exc:
+        raise PlanError(str(exc)) from exc
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -386,6 +415,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "sizes": sizes,
             "inputs_prefix": f"{layout.inputs_prefix}{plan_id}/",
         },
+        "heldout": heldout_entry,
         "model_resolved": None,
         "runs": {},
     }
@@ -407,8 +437,9 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         check_pins(manifest, pins, cfg)
         return plan_summary(manifest, layout, resumed=True)
     logger.info(
-        "planned %s prompts in %s chunks (rows read %s, duplicates dropped %s, rejects %s) -> %s",
-        stats.accepted, len(sizes), stats.rows_read, stats.duplicates_dropped, stats.rejects, layout.uri,
+        "planned %s prompts in %s chunks (rows read %s, duplicates dropped %s, rejects %s, held out %s) -> %s",
+        stats.accepted, len(sizes), stats.rows_read, stats.duplicates_dropped, stats.rejects, stats.heldout,
+        layout.uri,
     )
     return plan_summary(manifest, layout, resumed=False)
 

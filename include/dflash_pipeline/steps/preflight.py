@@ -29,6 +29,7 @@ from dflash_pipeline.serving.sglang import (
     new_chat_client,
     new_session,
 )
+from dflash_pipeline.serving.specwire import confirm_source, request_fields
 from dflash_pipeline.steps.plan import load_manifest, update_manifest
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def prove_server(
     headers = {"X-Request-Id": f"{PROOF_REQUEST_PREFIX}-{run_id}-{spec.name}"[:200]}
 
     def ask(msgs: list[dict[str, str]]) -> tuple[Any, float]:
-        body = build_chat_body(msgs, model, sampling, "preflight-proof", info.engine)
+        body = build_chat_body(msgs, model, sampling, "preflight-proof", info.engine,
+                               spec_fields=request_fields(info.speculative))
         for attempt in range(1, PROOF_ATTEMPTS + 1):
             try:
                 return chat_once(new_chat_client(), spec, body, cfg.request_timeout_s, headers=headers)
@@ -118,7 +120,27 @@ def prove_server(
         "reasoning_shape": shape,
         "longest_prompt_id": longest["id"] if longest else None,
         "latency_s": round(latency, 3),
+        # The proof's speculative statistics (None when the answer had none): they confirm
+        # where this server's answers carry them (spec_manifest).
+        "spec": completion.spec.to_columns() if completion.spec is not None else None,
     }
+
+
+def spec_manifest(info: ServerInfo, proof: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The server's `speculative` manifest entry, confirmed by its proof answer (specwire.confirm_source);
+    a speculating server whose answers carry no figures is logged: its rows' spec columns stay null."""
+    if info.speculative is None:
+        return None
+    confirmed = confirm_source(info.speculative, bool(proof and proof.get("spec")))
+    if confirmed.get("stats_source") is None:
+        logger.warning(
+            "server %s speculates (%s %s, algorithm %s) but gives no per-request statistics: its rows' "
+            "spec columns stay null (SGLang needs >= 0.5.13; vLLM needs --per-request-spec-decode-metrics "
+            "summary)", info.name, info.engine, info.version, confirmed.get("algorithm"))
+    elif proof and not proof.get("spec") and (proof.get("completion_tokens") or 0) > 1:
+        logger.warning("server %s: its version should return %s, but the proof answer had none",
+                       info.name, confirmed.get("stats_source"))
+    return confirmed
 
 
 def judge_context(proofs: dict[str, dict[str, Any]], max_tokens: int, longest: dict[str, Any] | None) -> tuple[list[str], str | None]:
@@ -247,6 +269,7 @@ def run_preflight(
             continue
         else:
             logger.info("server %s: proof request ok: %s", info.name, proofs[info.name])
+    speculative = {i.name: spec_manifest(i, proofs.get(i.name)) for i in infos}
     context_refusals, context_warning = judge_context(proofs, cfg.sampling.max_tokens, longest)
     refused += context_refusals
     if refused:
@@ -260,6 +283,7 @@ def run_preflight(
         for entry in manifest.get("servers", []):
             if entry.get("name") in proofs:
                 entry["proof"] = proofs[entry["name"]]
+                entry["speculative"] = speculative.get(entry["name"])
             elif any(s.name == entry.get("name") for s, _ in down) and "unreachable" not in entry:
                 entry["unreachable"] = next(m for s, m in down if s.name == entry["name"])
 
@@ -280,6 +304,9 @@ def run_preflight(
                 "max_running_requests": mrr,
                 "healthy": info is not None,
                 "engine": info.engine if info else None,
+                # How to ask this server for each answer's speculative statistics (specwire).
+                "spec_request": request_fields(speculative.get(spec.name)),
+                "speculative": speculative.get(spec.name),
             }
         )
     # Each server's in-flight limit as the run starts; validate adds how it moved (record_concurrency).

@@ -47,7 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
+from dflash_pipeline.dev.sim import lengths, spec_drafter, spec_sglang, spec_vllm, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,22 @@ class SimConfig:
     token_ids_supported: bool = True
     """With tokenizer_dir: answer `return_token_ids` (vLLM >= 0.10.2, SGLang >= 0.5.17). False plays
     an older engine that ignores the field silently: usage as always, no ids."""
+    # Speculative decoding (spec_drafter.py has the drafter; spec_sglang.py / spec_vllm.py the wire).
+    spec_algorithm: str | None = None
+    """None: the server does not speculate. Else SGLang's --speculative-algorithm (e.g. "EAGLE3",
+    "DFLASH") or vLLM's method ("ngram", "draft_model")."""
+    spec_num_draft_tokens: int = 3
+    """Draft tokens per verify step (SGLang reports speculative_num_draft_tokens = this + 1)."""
+    spec_accept_p: float = 0.7
+    """The drafter's per-position acceptance probability where no keyword matches."""
+    spec_accept_by_keyword: str | None = None
+    """"math=0.9,chat=0.4": p for requests whose messages contain the keyword (first match)."""
+    spec_sglang_version: str | None = None
+    """The SGLang release whose fields to emit and report in /get_server_info (None: SIM_VERSION)."""
+    spec_per_request_metrics: str = "summary"
+    """vLLM's --per-request-spec-decode-metrics: none | summary | detailed."""
+    enable_metrics: bool = False
+    """SGLang's --enable-metrics: the SGLang flavour serves /metrics (`sglang:spec_verify_calls_total`)."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -200,6 +216,7 @@ def validate_config(config: SimConfig) -> None:
         raise ValueError("error_rate + unavailable_rate + hang_rate + reset_rate + abort_rate must be <= 1")
     if config.engine not in ("sglang", "vllm"):
         raise ValueError(f"engine must be 'sglang' or 'vllm', not {config.engine!r}")
+    spec_drafter.validate(config)
 
 
 def derive_config(base: SimConfig, **changes: Any) -> SimConfig:
@@ -537,7 +554,7 @@ class _HTTPServer(ThreadingHTTPServer):
         logger.debug("connection error from %s", client_address, exc_info=True)
 
 
-class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
+class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseHTTPRequestHandler):
     """HTTP/1.1 keep-alive handler speaking SGLang's endpoints."""
 
     protocol_version = "HTTP/1.1"
@@ -557,6 +574,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
+        "/metrics": "_sglang_metrics",
     }
     POST_ROUTES = {
         "/v1/chat/completions": "_chat",
@@ -866,11 +884,12 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             return
         if completion.finish_reason in ("stop", "length") and not proof:
             sim.conversations.on_answer(messages, completion.content, config.track_history)
+        drafted = sim.spec_draw(messages, completion.completion_tokens, req_seed)
         if config.engine == "vllm":
             ids = (generated.prompt_ids, generated.output_ids) if generated and self._return_token_ids else None
             self._send_json(200, vllm_wire.chat_response(model or config.served_model_name, int(time.time()),
                                                           completion, prompt_tokens, cached if config.radix_cache else 0,
-                                                          token_ids=ids))
+                                                          token_ids=ids, metrics=spec_vllm.metrics_field(config, drafted)))
             return
         choice: dict[str, Any] = {
             "index": 0,
@@ -887,7 +906,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
             choice["prompt_token_ids"] = generated.prompt_ids
             if self._return_token_ids:
                 choice["response_token_ids"] = generated.output_ids
-        self._send_json(200, {
+        answer = {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -900,7 +919,11 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
                 "prompt_tokens_details": {"cached_tokens": cached} if config.radix_cache else None,
                 "reasoning_tokens": completion.reasoning_tokens,
             },
-        })
+        }
+        spec_sglang.decorate(answer, self._spec_ask, config.spec_sglang_version or SIM_VERSION, drafted, {
+            "id": answer["id"], "finish_reason": {"type": completion.finish_reason}, "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion.completion_tokens, "cached_tokens": cached})
+        self._send_json(200, answer)
 
     def _count_prompt(self, messages: list[Any], enable_thinking: bool) -> int:
         """`usage.prompt_tokens`: the rendered, encoded prompt with a tokenizer (tokens.py), else the word model's."""
@@ -965,6 +988,7 @@ class _Handler(vllm_wire.VllmEndpoints, BaseHTTPRequestHandler):
         supported = self.server.sim.config.token_ids_supported
         self._return_token_ids = supported and obj.get("return_token_ids") is True
         self._return_prompt_token_ids = supported and obj.get("return_prompt_token_ids") is True
+        self._spec_ask = {k: obj.get(k) for k in ("return_meta_info", "return_spec_tokens_details")}
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
 
 
@@ -1004,6 +1028,7 @@ class SimServer:
             else self.config.seed
         self._fault_rng = random.Random(f"sim-faults:{fault_seed}")
         self.conversations = ConversationModel()
+        self.spec_counters = spec_drafter.new_counters(self.config)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1157,13 +1182,20 @@ class SimServer:
             "schedule_policy": "fcfs",
             "chunked_prefill_size": 8192,
             "skip_server_warmup": False,
-            "enable_metrics": False,
-            "version": SIM_VERSION,
+            "enable_metrics": config.enable_metrics,
+            "version": config.spec_sglang_version or SIM_VERSION,
             "internal_states": [{"max_total_num_tokens": config.max_total_num_tokens,
-                                 "last_gen_throughput": throughput}],
+                                 "last_gen_throughput": throughput,
+                                 **spec_sglang.internal_state(self.spec_counters)}],
             "simulated": True,
+            **spec_sglang.server_args(config),
         })
         return info
+
+    def spec_draw(self, messages: list[Any], completion_tokens: int,
+                  request_seed: int | None) -> spec_drafter.Drafted | None:
+        """One answered request's speculative decoding (None when not speculating), counted."""
+        return spec_drafter.draw_and_count(self, messages, completion_tokens, request_seed)
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks: busy slot-seconds and output tokens give ideal throughput."""

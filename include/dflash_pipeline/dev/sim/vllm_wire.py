@@ -52,6 +52,8 @@ import re
 import uuid
 from typing import Any
 
+from dflash_pipeline.dev.sim import spec_vllm
+
 VLLM_SIM_VERSION = "0.32.0+sim"
 """What ``/version`` answers: the vLLM release whose wire this flavour was checked against (a real
 0.32.0 answers ``{"version": "0.32.0"}``)."""
@@ -138,10 +140,12 @@ def model_error(model: Any, served_model_name: str) -> str | None:
 
 
 def chat_response(model: str, created: int, completion: Any, prompt_tokens: int, cached_tokens: int = 0,
-                  token_ids: tuple[list[int], list[int]] | None = None) -> dict[str, Any]:
+                  token_ids: tuple[list[int], list[int]] | None = None,
+                  metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     """A non-streaming ChatCompletionResponse as vLLM serialises it (`prompt_tokens_details` as
     with --enable-prompt-tokens-details and prefix caching: present only when tokens were cached;
-    `prompt_token_ids` and the choice's `token_ids` with `return_token_ids`, else null)."""
+    `prompt_token_ids` and the choice's `token_ids` with `return_token_ids`, else null; `metrics`:
+    the per-request metrics a speculating server adds (spec_vllm.py), else null)."""
     prompt_ids, output_ids = token_ids if token_ids is not None else (None, None)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
@@ -174,7 +178,7 @@ def chat_response(model: str, created: int, completion: Any, prompt_tokens: int,
         "prompt_text": None,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
-        "metrics": None,
+        "metrics": metrics,
     }
 
 
@@ -243,6 +247,7 @@ class VllmEndpoints:
         usage = min(1.0, tokens / config.max_total_num_tokens) if config.max_total_num_tokens else 0.0
         text = metrics_text(config.served_model_name, running, waiting, config.max_total_num_tokens // 16,
                             kv_usage=usage)
+        text += spec_vllm.metrics_lines(config.served_model_name, self.sim.spec_counters, self.sim.created_t)
         self._send(200, text.encode(), content_type=METRICS_CONTENT_TYPE)  # type: ignore[attr-defined]
 
     def _vllm_scale_out_disabled(self, _body: bytes) -> None:

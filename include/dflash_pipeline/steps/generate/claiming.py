@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_pipeline.dataset.layout import DatasetLayout
-from dflash_pipeline.dataset.records import decode_inputs, decode_part, unit_key
+from dflash_pipeline.dataset.records import ROW_LABEL_COLUMNS, decode_inputs, decode_part, unit_key
 from dflash_pipeline.dataset.store import (
     ObjectInfo,
     PreconditionFailed,
@@ -234,7 +234,8 @@ class Claimer:
                 return None
             rows = decode_part(got[0]).to_pylist()
             redo = [{"id": r["id"], "messages": r["messages"], "sample": int(r.get("sample") or 0),
-                     "original_messages": r.get("original_messages")} for r in rows if self._wants_redo(r)]
+                     "original_messages": r.get("original_messages"),
+                     **{c: r.get(c) for c in ROW_LABEL_COLUMNS}} for r in rows if self._wants_redo(r)]
             body = self.scanner.marker_body(marker) or {}
             if not redo:
                 self._settle_marker(c, marker, rows, body)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.serving.sglang import Completion, RequestFailure
+from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats, total
 from dflash_pipeline.steps.generate.outcomes import completion_row
 
 REGENERATE_MODES = ("last_turn", "all_turns")
@@ -50,6 +51,7 @@ class Turn:
             "reasoning_tokens": c.reasoning_tokens,
             "cached_tokens": c.cached_tokens,
             "latency_s": round(self.latency_s, 4),
+            **spec_columns(c.spec),
         }
 
 
@@ -131,6 +133,21 @@ def _turn(res: ConversationResult, history: list[dict[str, str]], send: SendTurn
     return True
 
 
+def spec_columns(spec: SpecStats | None) -> dict[str, Any]:
+    """A turn's or row's spec columns; all null when the server gave no statistics."""
+    return spec.to_columns() if spec is not None else dict.fromkeys(SPEC_COLUMNS)
+
+
+def row_spec(cs: list[Completion]) -> dict[str, Any]:
+    """The row's spec columns: sums over its turns, and its acceptance length. A row whose turns
+    are only partly known (a turn without statistics) is null: a partial sum would read as the
+    row's total."""
+    if any(c.spec is None for c in cs):
+        return {**dict.fromkeys(SPEC_COLUMNS), "acceptance_length": None}
+    summed = total(c.spec for c in cs)
+    return {**spec_columns(summed), "acceptance_length": summed.acceptance_length if summed else None}
+
+
 def _sum(values: list[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
@@ -154,6 +171,7 @@ def conversation_row(
         "conversation": res.conversation,
         "turns": [t.to_dict() for t in res.turns],
         "cut_short": res.cut_short,
+        **row_spec(cs),
     })
     if any(c.output_token_ids is not None for c in cs):
         row["prompt_token_ids"] = [c.prompt_token_ids for c in cs]

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from dflash_pipeline.config import Sampling
+from dflash_pipeline.dataset.records import row_labels
 from dflash_pipeline.serving.sglang import Completion, RequestFailure
 
 FINISHED = ("stop", "length")
@@ -72,6 +73,7 @@ def completion_row(
         "sample": int(prompt.get("sample") or 0),
         "original_messages": prompt.get("original_messages"),
         "cached_tokens": completion.cached_tokens,
+        **row_labels(prompt),
     }
 
 
@@ -91,4 +93,5 @@ def error_row(
         "run_id": run_id,
         "sample": int(prompt.get("sample") or 0),
         "original_messages": prompt.get("original_messages"),
+        **row_labels(prompt),
     }

@@ -37,7 +37,7 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
     def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
         """One turn: its own retries; a timeout is retried once, never regenerated max_attempts times."""
         body = build_chat_body(messages, s.model, s.sampling, prompt["id"], sample=int(prompt.get("sample") or 0),
-                               engine=s.engine)
+                               engine=s.engine, spec_fields=dict(s.spec_request))
         timeouts = 0
         for attempt in range(1, s.max_attempts + 1):
             out.attempts += 1
@@ -74,6 +74,7 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
             out.failure = None  # a permanent refusal that only cut the conversation short
             out.row = conversation_row(prompt, res, model=s.model, server=s.server.name,
                                        chunk=chunk.index, run_id=s.run_id)
+            out.row.setdefault("thinking", s.sampling.enable_thinking)  # the mode this request was sent with
     except Exception as exc:  # noqa: BLE001 - one row's failure, never the task's
         logger.warning("request for %s failed unexpectedly: %r", prompt.get("id"), exc)
         out.row = None

@@ -22,6 +22,9 @@ class WorkerSettings:
     max_attempts: int = 5
     # The server's engine (serving/engines.py) as preflight detected it: the request body's dialect.
     engine: str = "sglang"
+    # Request fields that make a speculating server return each answer's statistics (preflight's
+    # `spec_request`, from serving/specwire.request_fields); empty when it does not speculate.
+    spec_request: tuple[tuple[str, Any], ...] = ()
     # Before this server completed a request, the slowest decode speed (tokens/s per request) still
     # counted as generating: a request's deadline is max_tokens at that speed (serving/deadline.py).
     min_decode_tok_s: float = 5.0
@@ -101,6 +104,7 @@ def settings_for(
         request_timeout_s=cfg.request_timeout_s,
         max_attempts=cfg.max_attempts,
         engine=server_info.get("engine") or "sglang",
+        spec_request=tuple(sorted((server_info.get("spec_request") or {}).items())),
         server_lost_after_s=cfg.server_lost_after_s,
         handoff_after_s=min(float(getattr(cfg, "server_handoff_after_s", 5.0)), cfg.server_lost_after_s),
         lease_s=cfg.claim_lease_s,

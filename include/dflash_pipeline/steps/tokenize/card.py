@@ -60,6 +60,28 @@ def _fmt(n: Any) -> str:
     return f"{n:,}" if isinstance(n, int) and not isinstance(n, bool) else str(n)
 
 
+def heldout_lines(split: Mapping[str, Any] | None) -> list[str]:
+    """The card's section on the held-out split (manifest["heldout"] plus tokenize's own heldout_uri)."""
+    lines = ["## Held-out split", ""]
+    if not split:
+        return lines + ["None: every planned prompt is in the training rows. Give `heldout_fraction` (or "
+                        "`heldout_uri`) to a new dataset's `dflash_generate` run to keep prompts out for the eval.", ""]
+    key = split.get("uri") or split.get("key")
+    lines += [
+        "Conversations held out by id, never generated here and refused by tokenize (every sample and turn of "
+        "an id goes the same way): an id is held out when sha256(`salt:id`) as a fraction of 2^64 is below "
+        "the fraction, or when a held-out file names it.", "",
+        "| what | value |", "|---|---|",
+        f"| fraction | {split.get('fraction', 0.0)} |",
+        f"| salt | `{split.get('salt', 'n/a')}` |",
+        f"| held-out prompts | {_fmt(split.get('count', 0))} in `{key or 'n/a'}` (the eval's prompts_uri) |",
+        f"| ids sha256 | `{split.get('ids_sha256', 'n/a')}` |",
+        f"| named by plan's heldout_uri | `{split.get('heldout_uri') or 'none'}` |",
+        f"| refused too at tokenize (heldout_uri) | `{split.get('tokenize_heldout_uri') or 'none'}` |", "",
+    ]
+    return lines
+
+
 def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifest: Mapping[str, Any]) -> str:
     """README.md text for the dataset root.
 
@@ -119,6 +141,7 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
             "templates other than `qwen3.5` add their default system prompt to those); left out (still in every "
             "token file): " + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(skipped.items())) or "none") + ".", "",
         ]
+    lines += heldout_lines(report.get("heldout") or manifest.get("heldout"))
     lines += [
         "## Files and columns", "",
         "| config | files | for |", "|---|---|---|",
@@ -129,7 +152,10 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         "(unique row key), `input_ids` (list<int32>), `loss_mask` (list<int8>, same length), `num_tokens`, "
         "`num_loss_tokens`, `truncated_to_max_length`, `finish_reason` (`stop` | `length`), `ids_source` "
         "(`engine`: the engine's own ids; `retokenized`: re-encoded text, checked), `ids_canonical` (the generated "
-        "ids are the canonical encoding of their text, so a trainer re-tokenizing the text gets them back).", "",
+        "ids are the canonical encoding of their text, so a trainer re-tokenizing the text gets them back), "
+        "`source`, `domain` (the input row's, null if none), `metadata` (the input row's metadata object and "
+        "extra keys, JSON-encoded; null if none), `thinking` (the thinking mode the row was generated with). "
+        "The JSONL files carry the same four (`\"\"` for none); speculators' inside its `metadata`.", "",
         "## Train a drafter on it", "",
         "```python",
         "from datasets import load_dataset",

@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
 from dflash_pipeline.dataset.records import unit_key
+from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
 from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
 from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, Recounter, text_variants
@@ -71,11 +72,29 @@ TOKENIZED_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("ids_source", pa.string()),
         ("ids_canonical", pa.bool_()),
+        # The trained turn's speculative decoding as its server reported it (null when it did not):
+        # a trainer can weight or select rows by how hard the serving drafter found them.
+        ("spec_verify_steps", pa.int64()),
+        ("spec_accepted_tokens", pa.int64()),
+        ("spec_draft_tokens", pa.int64()),
+        ("spec_accept_histogram", pa.list_(pa.int64())),
+        ("acceptance_length", pa.float64()),
     ]
 )
 """The training rows of one completions part (the `parquet` profile writes them as they are). `ids_canonical`:
 the generated ids are the canonical encoding of their text, so a trainer that re-tokenizes the text (SpecForge's
 conversations path) gets the same ids; null when not checked (no profile needs it)."""
+
+TURN_SPEC_COLUMNS = (*SPEC_COLUMNS, "acceptance_length")
+
+
+def turn_spec_columns(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """A training row's spec columns from its turn's (all null when the turn has none)."""
+    stats = SpecStats.from_columns(spec or {})
+    if stats is None:
+        return dict.fromkeys(TURN_SPEC_COLUMNS)
+    return {**stats.to_columns(), "acceptance_length": stats.acceptance_length}
+
 
 DROP_ERROR = "error_row"
 DROP_TRUNCATED = "finish_reason_length"
@@ -104,6 +123,7 @@ class TokenizeSettings:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     format: int = SETTINGS_FORMAT
+    heldout_uri: str | None = None  # ids refused on top of the manifest's split (steps/tokenize/heldout.py)
 
     def __post_init__(self) -> None:
         if self.train_turns not in TRAIN_TURNS:
@@ -390,6 +410,7 @@ def tokenize_table(
     truncated: list[bool] = []
     generated: list[np.ndarray | None] = []
     conversations: list[list[dict[str, Any]]] = []
+    spec_rows: list[dict[str, Any]] = []
     wanted = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
               "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
     for batch in table.select([c for c in wanted if c in table.column_names]).to_batches(max_chunksize=batch_rows):
@@ -437,6 +458,7 @@ def tokenize_table(
             truncated.append(b.truncated)
             generated.append(b.turn.output_ids if b.source == IDS_ENGINE else None)
             conversations.append(conversation_of(b.turn))
+            spec_rows.append(turn_spec_columns(b.turn.spec))
     canonical = builder.canonical(generated) if "specforge" in s.profiles else [None] * len(generated)
     lengths = np.fromiter((len(a) for a in id_arrays), dtype=np.int64, count=len(id_arrays))
     loss = np.fromiter((int(m.sum(dtype=np.int64)) for m in mask_arrays), dtype=np.int64, count=len(mask_arrays))
@@ -457,6 +479,7 @@ def tokenize_table(
             pa.array(cols["finish_reason"], type=pa.string()),
             pa.array(cols["ids_source"], type=pa.string()),
             pa.array(canonical, type=pa.bool_()),
+            *(pa.array([r[c] for r in spec_rows], type=TOKENIZED_SCHEMA.field(c).type) for c in TURN_SPEC_COLUMNS),
         ],
         schema=TOKENIZED_SCHEMA,
     )

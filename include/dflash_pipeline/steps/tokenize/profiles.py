@@ -45,18 +45,22 @@ from dflash_pipeline.config import TOKENIZE_PROFILES, ConfigError
 from dflash_pipeline.dataset.layout import CHUNK_DIGITS
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.steps.tokenize.exact import TOKENIZED_SCHEMA
+from dflash_pipeline.steps.tokenize.rowlabels import LABEL_FIELDS, ensure_label_columns, jsonl_labels
 
 PROFILES = TOKENIZE_PROFILES
 
-TRAINING_ROW_SCHEMA = TOKENIZED_SCHEMA
+TRAINING_ROW_SCHEMA = pa.schema([*TOKENIZED_SCHEMA, *LABEL_FIELDS])
 """The training rows the tokenizer produces per completions part (one row per trained assistant turn;
-exact.py says what each column is)."""
+exact.py says what each column is), with the input row's labels (rowlabels.py: source, domain, metadata,
+thinking)."""
+
+_HF_DTYPES = {"bool": "bool", "double": "float64"}  # pyarrow's names where `datasets` spells them differently
 
 # Hugging Face `datasets` features of TRAINING_ROW_SCHEMA, in the form datasets 5.x writes
 # (`Features.to_dict()`); the Parquet profile's schema metadata and the dataset card declare them.
 HF_FEATURES: dict[str, Any] = {
     name: ({"feature": {"dtype": str(t.value_type), "_type": "Value"}, "_type": "List"}
-           if pa.types.is_list(t) else {"dtype": "bool" if pa.types.is_boolean(t) else str(t), "_type": "Value"})
+           if pa.types.is_list(t) else {"dtype": _HF_DTYPES.get(str(t), str(t)), "_type": "Value"})
     for name, t in zip(TRAINING_ROW_SCHEMA.names, TRAINING_ROW_SCHEMA.types)
 }
 
@@ -129,7 +133,8 @@ class ProfileOutput:
 
 
 def _check_table(table: pa.Table) -> None:
-    missing = [n for n in TRAINING_ROW_SCHEMA.names if n not in table.column_names]
+    """The rows exact.py builds must be there; the label columns are added as null when absent."""
+    missing = [n for n in TOKENIZED_SCHEMA.names if n not in table.column_names]
     if missing:
         raise ValueError(f"training-row table lacks column(s) {missing}")
 
@@ -142,7 +147,7 @@ def parquet_bytes(table: pa.Table) -> bytes:
     """The training rows as Parquet (zstd) with TRAINING_ROW_SCHEMA and the Hugging Face features in the
     schema metadata (``huggingface`` key, read by `datasets`)."""
     _check_table(table)
-    rows = table.select(TRAINING_ROW_SCHEMA.names).cast(TRAINING_ROW_SCHEMA)
+    rows = ensure_label_columns(table).select(TRAINING_ROW_SCHEMA.names).cast(TRAINING_ROW_SCHEMA)
     meta = {b"huggingface": _dumps({"info": {"features": HF_FEATURES}}).encode()}
     rows = rows.replace_schema_metadata(meta)
     buf = io.BytesIO()
@@ -150,22 +155,38 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def specforge_tokens_jsonl(table: pa.Table) -> bytes:
-    """SpecForge's pre-tokenized records: ``{"id", "input_ids", "loss_mask"}``, one line per row."""
+def specforge_tokens_jsonl(table: pa.Table, *, thinking: bool = True) -> bytes:
+    """SpecForge's pre-tokenized records: ``{"id", "input_ids", "loss_mask"}`` plus the row's labels
+    (``source``, ``domain``, ``thinking``, ``metadata``) and the trained turn's ``acceptance_length`` when
+    its server reported it (left out otherwise); SpecForge 0.2.0's prompt_builder reads only
+    ``input_ids`` and ``loss_mask`` of a pre-tokenized record. One line per row."""
     _check_table(table)
     keys = table.column("key").to_pylist()
     ids = table.column("input_ids").to_pylist()
     masks = table.column("loss_mask").to_pylist()
-    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m}) + "\n"
-                   for k, i, m in zip(keys, ids, masks)).encode()
+    labels = jsonl_labels(table, thinking)
+    accept = table.column("acceptance_length").to_pylist()
+    return "".join(_dumps({"id": k, "input_ids": i, "loss_mask": m, **lab, **_spec_keys(al)}) + "\n"
+                   for k, i, m, lab, al in zip(keys, ids, masks, labels, accept)).encode()
 
 
-def speculators_jsonl(table: pa.Table) -> bytes:
+def _spec_keys(acceptance_length: float | None, verify_steps: int | None = None) -> dict[str, Any]:
+    """The spec keys a JSONL row carries: none when its turn has no statistics (files stay as before)."""
+    if acceptance_length is None:
+        return {}
+    out: dict[str, Any] = {"acceptance_length": acceptance_length}
+    if verify_steps is not None:
+        out["spec_verify_steps"] = verify_steps
+    return out
+
+
+def speculators_jsonl(table: pa.Table, *, thinking: bool = True) -> bytes:
     """speculators' speculator-format rows (as `regenerate-responses` writes them, without its review-only
     ``text``): ``id`` (the row key), ``primary_id`` (the conversation: id + sample), ``input_ids``,
-    ``loss_mask`` and ``metadata``."""
+    ``loss_mask`` and ``metadata`` (ours, with the row's labels; speculators keeps only the ids and mask)."""
     _check_table(table)
-    cols = {n: table.column(n).to_pylist() for n in TRAINING_ROW_SCHEMA.names}
+    cols = {n: table.column(n).to_pylist() for n in TOKENIZED_SCHEMA.names}
+    labels = jsonl_labels(table, thinking)
     lines = []
     for i, key in enumerate(cols["key"]):
         sample = cols["sample"][i]
@@ -177,7 +198,8 @@ def speculators_jsonl(table: pa.Table) -> bytes:
             "metadata": {"sample": sample, "turn": cols["turn"][i], "finish_reason": cols["finish_reason"][i],
                          "ids_source": cols["ids_source"][i],
                          "truncated_to_max_length": cols["truncated_to_max_length"][i],
-                         "num_tokens": cols["num_tokens"][i], "num_loss_tokens": cols["num_loss_tokens"][i]},
+                         "num_tokens": cols["num_tokens"][i], "num_loss_tokens": cols["num_loss_tokens"][i],
+                         **labels[i], **_spec_keys(cols["acceptance_length"][i], cols["spec_verify_steps"][i])},
         }) + "\n")
     return "".join(lines).encode()
 
@@ -230,6 +252,7 @@ def specforge_conversations_jsonl(
     turns = table.column("turn").to_pylist()
     finish = table.column("finish_reason").to_pylist()
     canonical = table.column("ids_canonical").to_pylist() if "ids_canonical" in table.column_names else None
+    labels = jsonl_labels(table, thinking)
     stats = ConversationStats()
     skipped: Counter[str] = Counter()
     lines = []
@@ -254,6 +277,7 @@ def specforge_conversations_jsonl(
             "assistant_turn_index": turns[i],
             "status": STATUS_SUCCESS,
             "conversations": messages,
+            **labels[i],  # SpecForge drops every column but the conversation (build_eagle3_dataset)
         }) + "\n")
     stats.rows = len(lines)
     stats.skipped = dict(skipped)
@@ -288,9 +312,9 @@ def build_profile_files(
         if profile == "parquet":
             files[keys["rows"]] = parquet_bytes(table)
         elif profile == "speculators":
-            files[keys["tokens"]] = speculators_jsonl(table)
+            files[keys["tokens"]] = speculators_jsonl(table, thinking=thinking)
         else:
-            files[keys["tokens"]] = specforge_tokens_jsonl(table)
+            files[keys["tokens"]] = specforge_tokens_jsonl(table, thinking=thinking)
             convs = conversations if conversations is not None else _conversation_column(table)
             if convs is None:
                 raise ValueError("the specforge profile needs the rows' conversations (argument or column)")

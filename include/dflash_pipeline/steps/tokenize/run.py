@@ -26,8 +26,11 @@ from dflash_pipeline.config import ConfigError, TokenizeConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 from dflash_pipeline.steps.tokenize.card import dataset_card
+from dflash_pipeline.dataset.heldout import HeldoutSplit
 from dflash_pipeline.steps.tokenize.exact import PartStats, TokenizeSettings, TrainingRowBuilder, tokenize_table
+from dflash_pipeline.steps.tokenize.heldout import DROP_HELDOUT, drop_heldout, load_heldout, split_summary
 from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile_globs
+from dflash_pipeline.steps.tokenize.rowlabels import LABEL_COLUMNS, labels_by_unit, with_labels
 from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
 from dflash_pipeline.steps.validate.tokencount import load_recounter
 
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_FORMAT = "dflash-pipeline/tokenized/2"
 READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
-                "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
+                "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", *LABEL_COLUMNS)
 
 
 class TokenizeFailed(Exception):
@@ -96,7 +99,8 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                             enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
                             keep_unverified=cfg.keep_unverified, profiles=cfg.profiles,
                             min_loss_tokens=cfg.min_loss_tokens,
-                            require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens)
+                            require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens,
+                            heldout_uri=cfg.heldout_uri)
 
 
 def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
@@ -140,6 +144,7 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         store = Store(client, layout.bucket)
         settings = resolve_settings(store, layout, cfg)
         ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
+        load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)  # and a bad split
         pin_settings(store, layout, settings, ct)
         parts = list_parts(store, layout.completions_prefix)
         done = set(list_parts(store, layout.tokenized_stats_prefix))
@@ -174,11 +179,18 @@ def _read_part(store: Store, key: str) -> Any:
 _CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/x-ndjson"}
 
 
-def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any) -> tuple[str, PartStats]:
-    """Build one completions part's training rows and write every profile's file, then its stats (the
-    part's commit point). Returns ("written" | "lost_race", stats)."""
+def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any,
+                  split: HeldoutSplit | None = None) -> tuple[str, PartStats]:
+    """Build one completions part's training rows (held-out conversations refused first, the input rows'
+    labels carried onto them) and write every profile's file, then its stats (the part's commit point).
+    Returns ("written" | "lost_race", stats)."""
     s = ct.settings
+    table, heldout = drop_heldout(table, split) if split is not None else (table, 0)
     out, conversations, stats = tokenize_table(table, ct)
+    if heldout:
+        stats.rows_in += heldout
+        stats.dropped[DROP_HELDOUT] = stats.dropped.get(DROP_HELDOUT, 0) + heldout
+    out = with_labels(out, labels_by_unit(table, s.enable_thinking), s.enable_thinking)
     files = build_profile_files(out, chunk, s.profiles, thinking=s.enable_thinking, conversations=conversations)
     stats.profiles = files.to_dict()
     for rel, data in sorted(files.files.items()):
@@ -197,6 +209,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
         store = Store(client, layout.bucket)
         settings = TokenizeSettings.from_dict(job["settings"])
         ct = load_tokenizer(client, settings)
+        split = load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)
 
         def fetch(c: int) -> Any:
             if with_retries(lambda: store.head(layout.tokenized_stats_key(c)), what="head part") is not None:
@@ -214,7 +227,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
                     summary["present"] += 1
                     logger.info("part %d of %s is already tokenized; skipped", c, layout.uri)
                     continue
-                status, stats = tokenize_part(store, layout, c, ct, table)
+                status, stats = tokenize_part(store, layout, c, ct, table, split)
                 summary[status] += 1
                 summary["rows"] += stats.rows_out
                 summary["tokens"] += stats.tokens
@@ -265,6 +278,9 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     rows_out = total["rows_out"]
     dropped = counts["dropped"]
     pinned = _get_json(store, layout.tokenized_settings_key) or {}
+    manifest = _get_json(store, layout.manifest_key) or {}
+    tok_heldout_uri = (dataset.get("settings") or pinned).get("heldout_uri")
+    heldout_split = HeldoutSplit(0.0, uri=tok_heldout_uri) if tok_heldout_uri else HeldoutSplit()
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
@@ -279,6 +295,7 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
         **total,
         "rows_dropped": sum(dropped.values()),
         "dropped_by_reason": dict(sorted(dropped.items())),
+        "heldout": split_summary(heldout_split, manifest),
         "ids_source": dict(sorted(counts["ids_source"].items())),
         **examples,
         "tokens_per_row_mean": round(total["tokens"] / rows_out, 1) if rows_out else 0.0,
@@ -345,6 +362,11 @@ def report_markdown(r: dict[str, Any]) -> str:
         "", "Conversations by assistant turns: "
         + ", ".join(f"{k}: {v:,}" for k, v in r["turns"]["conversations_by_assistant_turns"].items()),
     ]
+    split = r.get("heldout")
+    if split:
+        lines += ["", f"Held-out split: fraction {split.get('fraction', 0.0)}, salt `{split.get('salt', 'n/a')}`, "
+                  f"{split.get('count', 0):,} prompts in `{split.get('key', 'n/a')}`; tokenize heldout_uri "
+                  f"`{split.get('tokenize_heldout_uri') or 'none'}`; rows refused: {r['dropped_by_reason'].get('heldout', 0):,}."]
     if r["unverified_examples"]:
         lines += ["", f"Re-encoded turns that differ from the engine's counts (first {len(r['unverified_examples'])}):", ""]
         lines += [f"- `{e}`" for e in r["unverified_examples"]]

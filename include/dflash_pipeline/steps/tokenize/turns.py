@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipeline.serving.specstats import SPEC_COLUMNS
+
 
 @dataclass(frozen=True)
 class TurnSource:
@@ -41,6 +43,14 @@ class TurnSource:
     output_ids: np.ndarray | None
     assistant_turns: int
     """Assistant turns in the whole conversation (a key gets `#turn=k` when above 1)."""
+    spec: dict[str, Any] | None = None
+    """The turn's speculative-decoding columns (SPEC_COLUMNS) when its server gave them, else None."""
+
+
+def _spec(source: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not source or source.get("spec_verify_steps") is None:
+        return None
+    return {c: source.get(c) for c in SPEC_COLUMNS}
 
 
 def _ids(value: Any) -> np.ndarray | None:
@@ -70,6 +80,7 @@ def turns_of(row: dict[str, Any]) -> list[TurnSource]:
             prompt_ids=_ids(_nth(row.get("prompt_token_ids"), 0)),
             output_ids=_ids(_nth(row.get("output_token_ids"), 0)),
             assistant_turns=sum(1 for m in context if m["role"] == "assistant") + 1,
+            spec=_spec(row),
         )]
     turns = row.get("turns") or [{"finish_reason": row.get("finish_reason"), "prompt_tokens": row.get("prompt_tokens"),
                                   "completion_tokens": row.get("completion_tokens")}]
@@ -88,5 +99,6 @@ def turns_of(row: dict[str, Any]) -> list[TurnSource]:
             prompt_ids=_ids(_nth(row.get("prompt_token_ids"), k)),
             output_ids=_ids(_nth(row.get("output_token_ids"), k)),
             assistant_turns=len(positions),
+            spec=_spec(usage),
         ))
     return out

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import read_parquet, unit_keys
 from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.steps.validate import acceptance
 from dflash_pipeline.steps.validate.checks import Validator, to_numpy, unfinished_mask
 from dflash_pipeline.steps.validate.report import (
     VALIDATION_DIR,
@@ -32,6 +33,10 @@ from dflash_pipeline.steps.validate.report import (
     report_markdown,
     side_file_keys,
 )
+from dflash_pipeline.steps.validate.breakdown import READ_COLUMNS as LABEL_READ_COLUMNS
+from dflash_pipeline.steps.validate.breakdown import LabelTally
+from dflash_pipeline.steps.validate.breakdown import markdown as label_markdown
+from dflash_pipeline.steps.validate.breakdown import report_fields as label_report_fields
 from dflash_pipeline.steps.validate.tally import LIST_LIMIT
 
 logger = logging.getLogger(__name__)
@@ -127,7 +132,8 @@ def run_validation(
     thinking = bool(manifest["pinned"]["sampling"]["enable_thinking"])
 
     recounter = None
-    columns = list(PART_READ_COLUMNS)
+    columns = list(PART_READ_COLUMNS) + [c for c in LABEL_READ_COLUMNS if c not in PART_READ_COLUMNS]
+    labels = LabelTally()
     if tokenizer:
         from dflash_pipeline.steps.validate.tokencount import load_recounter
 
@@ -138,6 +144,8 @@ def run_validation(
         recounter = load_recounter(tokenizer, s3_get, enable_thinking=thinking)
         columns += ["messages", "conversation"]
 
+    columns += [c for c in acceptance.READ_COLUMNS if c not in columns]
+    spec = acceptance.AcceptanceTally(thinking)
     v = Validator(thinking, recounter)
     t = v.t
     t.chunks = len(sizes)
@@ -181,6 +189,8 @@ def run_validation(
                     pending.append(pool.submit(fetch, nxt))
                 if table is not None:
                     _ensure_marker(store, layout, c, table, c in markers)
+                    spec.add(table)
+                    labels.add(table)
                 v.add_chunk(planned_ids, table)
                 if c and c % 500 == 0:
                     logger.info("validated %d of %d chunks (%d rows) in %.0fs", c, len(sizes), t.completions + t.errors,
@@ -208,12 +218,14 @@ def run_validation(
         files["plots"] = [pkeys[n] for n in pngs]
 
     report = build_report(t, manifest, layout, thresholds, files)
+    report["acceptance"] = spec.report()
+    report.update(label_report_fields(labels, manifest))
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     with_retries(
         lambda: store.put(layout.report_key, json.dumps(report, indent=1).encode(), content_type="application/json"),
         what="write report",
     )
-    md = report_markdown(report)
+    md = report_markdown(report) + label_markdown(report) + acceptance.markdown(report["acceptance"])
     with_retries(lambda: store.put(layout.report_md_key, md.encode(), content_type="text/markdown"), what="write report.md")
     logger.info("report for %s:\n%s", layout.uri, md)
     logger.info(
