@@ -288,3 +288,70 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
     if outlet_events is not None:
         outlet_events[tokenized_asset()].extra = {"format": TOKENIZED_FORMAT, "datasets": summaries}
     return summaries
+
+
+# ------------------------------------------------------------------------------ dflash_eval
+
+
+def eval_asset() -> Any:
+    """dflash_eval's outlet Asset (named in steps.handoff)."""
+    from airflow.sdk import Asset
+
+    from dflash_pipeline.steps.handoff import EVAL_ASSET_NAME, EVAL_ASSET_URI
+
+    return Asset(name=EVAL_ASSET_NAME, uri=EVAL_ASSET_URI, group="dflash")
+
+
+def eval_config(params: dict[str, Any]) -> Any:
+    from dflash_pipeline.config import EvalConfig
+
+    with _fail_fast():
+        return EvalConfig.from_params(dict(params))
+
+
+def eval_prepare(params: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+    """Plan and preflight every (group, condition) dataset; one assignment per server (XCom: small)."""
+    from dflash_pipeline.steps.evaluate import prepare
+
+    cfg = eval_config(params)
+    with _fail_fast():
+        return prepare(s3_client(cfg.aws_conn_id), cfg, run_id, resolve_server)
+
+
+def eval_server(params: dict[str, Any], run_id: str, assignment: dict[str, Any], try_number: int) -> dict[str, Any]:
+    """One server through its group's conditions (the generate Worker each), /metrics scraped around each."""
+    from dflash_pipeline.steps.evaluate import run_server
+
+    cfg = eval_config(params)
+
+    def progress(store: Any, key: str, settings: Any, n_servers: int) -> Any:
+        from dflash_pipeline.monitor.progress import ProgressWriter
+
+        return ProgressWriter(store, key, run_id=run_id, try_number=try_number, every_s=settings.progress_every_s,
+                              n_servers=n_servers)
+
+    with _fail_fast():
+        spec = resolve_server(assignment["server"])
+        return run_server(s3_client(cfg.aws_conn_id), cfg, assignment, run_id, spec, try_number=try_number,
+                          progress_factory=progress)
+
+
+def eval_report(params: dict[str, Any], run_id: str, assignments: list[dict[str, Any]],
+                outlet_events: Any = None) -> dict[str, Any]:
+    """Write the eval report; on a complete eval the dflash_eval event names it and the headline figures."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dflash_pipeline.steps.evaluate import EvalIncomplete, run_report
+    from dflash_pipeline.steps.handoff import eval_event_extra
+
+    cfg = eval_config(params)
+    try:
+        with _fail_fast():
+            report = run_report(s3_client(cfg.aws_conn_id), cfg, assignments, run_id)
+    except EvalIncomplete as exc:
+        raise AirflowFailException(f"EvalIncomplete: {exc}") from exc
+    extra = eval_event_extra(report)
+    if outlet_events is not None:
+        outlet_events[eval_asset()].extra = extra
+        logger.info("asset event %s: %s", eval_asset().uri, extra)
+    return extra

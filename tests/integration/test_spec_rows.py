@@ -225,3 +225,35 @@ def test_training_rows_carry_their_turns_figures(s3_client, bucket, tmp_path) ->
                 assert t["acceptance_length"] is None and "acceptance_length" not in sp["metadata"]
                 assert "acceptance_length" not in sf
     assert seen["spec"] and seen["plain"], seen  # which server takes which chunk is dispatch's choice
+
+
+def test_validation_breaks_acceptance_down_by_the_rows_domain_and_covers_the_truth(s3_client, bucket) -> None:
+    """Input rows labelled with a `domain` (carried to the completions by the row labels) on two
+    servers running the same simulated drafter (per-request draws are seeded, so the figures do not
+    depend on dispatch): each domain's reported acceptance has the drafter's known truth,
+    1 + sum_{i<=k} p^i, inside its 95% interval, and the thinking mode is the one the rows ran."""
+    from dflash_pipeline.dev.sim import spec_drafter
+    from dflash_pipeline.steps.validate import run_validation
+
+    rows = []
+    for i in range(240):
+        topic = ("primes", "poem", "other")[i % 3]
+        rows.append({"id": f"d{i:04d}", "domain": topic,
+                     "messages": [{"role": "user", "content": f"Question {i} about {topic}?"}]})
+    spec = {"spec_algorithm": "EAGLE3", "spec_num_draft_tokens": 3, "spec_accept_by_keyword": DOMAINS,
+            "spec_accept_p": 0.6}
+    with SimFleet([SimConfig(**spec, **FAST), SimConfig(**spec, **FAST)]).start() as fleet:
+        s3_client.put_object(Bucket=bucket, Key="dom/p.jsonl", Body="\n".join(json.dumps(r) for r in rows).encode())
+        cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/dom/p.jsonl", "output_uri": f"s3://{bucket}/dom/ds",
+                                     "servers": fleet.urls, "save_every": 20, "max_tokens": 4096})
+        outcomes = run_generation(s3_client, cfg, fleet.urls, "dom-run1")
+        assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    section = run_validation(s3_client, cfg.output_uri, plots=False)["acceptance"]
+    by_domain = section["by"]["domain"]
+    assert set(by_domain) == {"primes", "poem", "other"}
+    for domain, p in (("primes", 0.85), ("poem", 0.3), ("other", 0.6)):
+        g = by_domain[domain]
+        truth = spec_drafter.true_acceptance_length(p, 3)
+        assert g["rows_with_stats"] == 80 and g["ci_low"] <= truth <= g["ci_high"], (domain, g, truth)
+    assert set(section["by"]["thinking"]) == {"on"}
+    assert by_domain["poem"]["acceptance_length"] < by_domain["other"]["acceptance_length"] < by_domain["primes"]["acceptance_length"]

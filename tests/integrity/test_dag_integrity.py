@@ -22,7 +22,7 @@ def dagbag():
 
 def test_no_import_errors(dagbag) -> None:
     assert dagbag.import_errors == {}
-    assert {"dflash_generate", "dflash_tokenize"} <= set(dagbag.dags)
+    assert {"dflash_generate", "dflash_tokenize", "dflash_eval"} <= set(dagbag.dags)
 
 
 def test_tokenize_shape_prepare_mapped_tokenize_report(dagbag) -> None:
@@ -80,7 +80,33 @@ def test_params_are_the_interface(dagbag) -> None:
     assert dag.params.get_param("max_tokens").value == 4096
 
 
-@pytest.mark.parametrize("dag_module", ["dflash_generate", "dflash_tokenize"])
+def test_eval_shape_params_tags_retries(dagbag) -> None:
+    """dflash_eval: prepare -> evaluate (mapped over servers) -> report (all_done, the dflash_eval outlet);
+    every param documented and typed; manual trigger only."""
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    from dflash_pipeline.config import EVAL_PARAM_SCHEMAS
+
+    dag = dagbag.dags["dflash_eval"]
+    assert dag.schedule is None or str(dag.timetable.summary) in ("None", "Never, external triggers only")
+    assert set(dag.task_ids) == {"prepare", "evaluate", "report"}
+    assert dag.get_task("evaluate").upstream_task_ids == {"prepare"}
+    assert dag.get_task("report").upstream_task_ids == {"prepare", "evaluate"}
+    assert dag.get_task("report").trigger_rule == "all_done"
+    assert isinstance(dag.get_task("evaluate"), MappedOperator), "one mapped task per server"
+    assert [o.name for o in dag.get_task("report").outlets] == ["dflash_eval"]
+    assert {"dflash", "eval"} <= set(dag.tags)
+    for task in dag.tasks:
+        assert task.retries >= 1, f"{task.task_id} has no retries"
+    assert set(dag.params.keys()) == set(EVAL_PARAM_SCHEMAS)
+    for name in dag.params.keys():
+        param = dag.params.get_param(name)
+        assert param.description and param.schema.get("type"), name
+    assert dag.params.get_param("concurrency").value == [1, "production"]
+    assert dag.params.get_param("greedy").value is True
+
+
+@pytest.mark.parametrize("dag_module", ["dflash_generate", "dflash_tokenize", "dflash_eval"])
 def test_parse_time_does_no_io_and_reads_no_connections(dag_module: str) -> None:
     """Parse the DAG in a fresh interpreter where sockets, connections and variables all explode."""
     probe = textwrap.dedent(

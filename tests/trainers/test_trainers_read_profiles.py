@@ -104,6 +104,9 @@ def _split_token(rec: Any, ids: list[int], rng: random.Random) -> list[int]:
     raise AssertionError("no splittable token found")
 
 
+DOMAINS = ("math", "code", "chat")
+
+
 def build_training_rows(rec: Any, convs: list[list[dict[str, Any]]], thinking: bool, seed: int) -> tuple[pa.Table, list[Any], dict[str, str]]:
     """The training rows a tokenizer builds from these generations: prompt ids as the engine rendered the
     request (history answers without reasoning), then the generated ids, then the template's "\\n" after
@@ -139,7 +142,10 @@ def build_training_rows(rec: Any, convs: list[list[dict[str, Any]]], thinking: b
             key = f"conv{c}" + (f"#turn={turn}" if n_assist > 1 else "")
             rows.append({"id": f"conv{c}", "sample": 0, "turn": turn, "key": key, "input_ids": ids, "loss_mask": mask,
                          "num_tokens": len(ids), "num_loss_tokens": sum(mask), "truncated_to_max_length": False,
-                         "finish_reason": finish, "ids_source": "engine"})
+                         "finish_reason": finish, "ids_source": "engine",
+                         # the input row's labels on half the conversations ("" in the JSONL files for the rest)
+                         **({"source": "set-a", "domain": DOMAINS[c % 3], "metadata": json.dumps({"c": c})}
+                            if c % 2 == 0 else {}), "thinking": thinking})
             conversations.append([*history, {"role": "assistant", "content": m["content"] if finish == "stop" else "",
                                              "reasoning": m["reasoning"]}])
             cases[key] = m["case"] or ""

@@ -128,13 +128,26 @@ def _ts(dt: Any) -> float | None:
     return None if dt is None else dt.timestamp()
 
 
-def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any]:
-    """The data of one run's page (also what the JSON endpoint returns)."""
+_DATASET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}/[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _eval_datasets(store: Store, layout: DatasetLayout, run_id: str) -> list[str]:
+    """A dflash_eval run's (group, condition) datasets, from the `runs/<run_id>/eval.json` prepare wrote."""
+    doc = _json(store, layout.run_key(run_id, "eval.json")) or {}
+    groups = [g.get("name") for g in (doc.get("config") or {}).get("groups") or []]
+    return [f"{g}/{c.get('name')}" for g in groups for c in doc.get("conditions") or []]
+
+
+def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | None = None) -> dict[str, Any]:
+    """The data of one run's page (also what the JSON endpoint returns). `dataset` (a dflash_eval run's
+    `<group>/<condition>`) shows that generate dataset under the run's output_uri instead of the root."""
     run = _dag_run(session, dag_id, run_id)
     conf = dict(run.conf or {})
     tasks = _task_instances(session, dag_id, run_id)
     now = time.time()
     run_base = f"{base}/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}"
+    if dataset is not None and not _DATASET_RE.match(dataset):
+        raise HTTPException(status_code=404, detail="no such dataset")
     view: dict[str, Any] = {
         "dag_id": dag_id,
         "run_id": run_id,
@@ -160,13 +173,20 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str) -> dict[str, Any
         view["report_missing_final"] = True
         return view
     try:
-        layout = DatasetLayout.from_uri(str(view["output_uri"]))
+        root = DatasetLayout.from_uri(str(view["output_uri"]))
+        layout = DatasetLayout.from_uri(f"{root.uri}/{dataset}") if dataset else root
     except UriError as exc:
         view["warnings"].append(str(exc))
         return view
+    # dflash_eval's mapped tasks are numbered over all groups, its workers within a group: no states then
     task_states = {f"w{t['map_index']:04d}": t["state"] for t in tasks if t["task_id"] == "generate"}
     try:
         store = Store(_s3_client(str(view["aws_conn_id"])), layout.bucket)
+        if dataset is None and (tasks and any(t["task_id"] == "evaluate" for t in tasks)):
+            view["datasets"] = _eval_datasets(store, root, run_id)
+            view["links"] += [(d, f"{run_base}?dataset={d}") for d in view["datasets"]]
+        if dataset is not None:
+            view["output_uri"] = layout.uri
         data = collect(store, layout, run_id, run_started_at=view["run_started_at"], task_states=task_states, now=now)
     except Exception as exc:  # noqa: BLE001 - the page shows what it could not read
         logger.warning("dflash page: reading %s failed: %s", layout.uri, exc)
@@ -234,14 +254,15 @@ def create_app(url_prefix: str = URL_PREFIX) -> FastAPI:
             lambda rid: f"{url_prefix}/runs/{ui.quote_id(DEFAULT_DAG_ID)}/{ui.quote_id(rid)}"))
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[can_read_runs])
-    def run_page(dag_id: str, run_id: str, session: SessionDep, fragment: int = 0) -> HTMLResponse:
-        view = run_view(session, dag_id, run_id, url_prefix)
+    def run_page(dag_id: str, run_id: str, session: SessionDep, fragment: int = 0,
+                 dataset: str | None = None) -> HTMLResponse:
+        view = run_view(session, dag_id, run_id, url_prefix, dataset)
         body = ui.run_main(view) if fragment else ui.run_page(view)
         return HTMLResponse(body, headers={"Cache-Control": "no-store"})
 
     @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[can_read_runs])
-    def run_json(dag_id: str, run_id: str, session: SessionDep) -> JSONResponse:
-        view = run_view(session, dag_id, run_id, url_prefix)
+    def run_json(dag_id: str, run_id: str, session: SessionDep, dataset: str | None = None) -> JSONResponse:
+        view = run_view(session, dag_id, run_id, url_prefix, dataset)
         view["links"] = [{"title": t, "href": u} for t, u in view["links"]]
         view["plot_urls"] = [{"name": n, "href": u} for n, u in view["plot_urls"]]
         return JSONResponse(json.loads(ui.to_json(view)), headers={"Cache-Control": "no-store"})

@@ -32,7 +32,9 @@ SGLang (read from the wheels of 0.5.10, 0.5.11, 0.5.13, 0.5.19 and 0.5.21):
   choice had figures. Older servers ignore both fields (pydantic drops unknown fields).
 - `/get_server_info` (`/server_info` in 0.5.21) carries the server args flat
   (`speculative_algorithm`, `speculative_num_draft_tokens`, `speculative_num_steps`,
-  `speculative_eagle_topk`), `version`, and `internal_states[0].avg_spec_accept_length`
+  `speculative_eagle_topk`; 0.5.21 declares them in a `Spec` namespace but `server_args.py` builds
+  `ServerArgs` as one flat msgspec struct of every namespace's fields, and `resolved_dict()` dumps
+  it flat), `version`, and `internal_states[0].avg_spec_accept_length`
   (`managers/scheduler.py`: accepted tokens including the bonus over forward passes since start).
 
 vLLM 0.32 (read from the installed source, `vllm/v1/metrics/stats.py` `RequestSpecDecodeMetrics`,

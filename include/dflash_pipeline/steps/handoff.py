@@ -31,6 +31,10 @@ TOKENIZED_ASSET_NAME = "dflash_tokenized"
 TOKENIZED_ASSET_URI = "x-dflash://tokenized"
 """dflash_tokenize's outlet: its event names the tokenized datasets (for a trainer DAG)."""
 TOKENIZED_FORMAT = "dflash-pipeline/tokenized-handoff/1"
+EVAL_ASSET_NAME = "dflash_eval"
+EVAL_ASSET_URI = "x-dflash://eval"
+"""dflash_eval's outlet: its event names the eval report and each drafter's headline figures."""
+EVAL_FORMAT = "dflash-pipeline/eval-handoff/1"
 HEADLINE_KEYS = (
     "prompts", "completions", "errors", "missing", "duplicates", "truncated", "prompt_tokens", "output_tokens",
     "reasoning_tokens", "training_tokens",
@@ -136,3 +140,19 @@ def check_handoff(client: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
         layout.bucket, report_key,
     )
     return result
+
+
+def eval_event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
+    """dflash_eval's asset event: where the report is and each drafter's headline figures (small, JSON)."""
+    root = DatasetLayout.from_uri(report["output_uri"])
+    return {
+        "format": EVAL_FORMAT,
+        "output_uri": root.uri,
+        "bucket": root.bucket,
+        "report_key": report["report_key"],
+        "report_md_key": root.report_md_key,
+        "status": report.get("status"),
+        "headline_condition": report.get("headline_condition"),
+        "drafters": report.get("headline") or {},
+        "ranking": [e["drafter"] for e in (report.get("rankings") or {}).get(report.get("headline_condition") or "", [])],
+    }

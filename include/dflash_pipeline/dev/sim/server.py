@@ -47,8 +47,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from dflash_pipeline.dev.sim import lengths, spec_drafter, spec_sglang, spec_vllm, tokens, vllm_wire
+from dflash_pipeline.dev.sim import lengths, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
+from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
 
 logger = logging.getLogger(__name__)
 
