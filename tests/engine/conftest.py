@@ -11,6 +11,11 @@ Fixtures:
   stopped at its end. Start-up takes about a minute, so every engine test shares it.
 * ``vllm_scale_out_server`` (session): the same with ``--enable-scale-out`` (the ``/render`` family
   of endpoints answers instead of 403), started only by the tests that ask for it.
+* ``vllm_ngram_server``, ``vllm_draft_model_server`` (session): the same server speculating, with
+  ``--per-request-spec-decode-metrics summary``: vLLM's n-gram drafter (k 3, lookup 1-3), and the
+  tiny checkpoint as its own draft model (k 3). ``vllm_server`` is the no-speculation baseline.
+  Each is started once, by the first test that asks for it, and shared by every later one;
+  ``speculative`` on the endpoint holds the speculative config (None for the plain servers).
 
 Skips when ``.venv-vllm`` is absent, unless ``DFLASH_REQUIRE_VLLM=1`` (set by .ci/run): then it fails.
 """
@@ -21,10 +26,17 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dflash_pipeline.dev.stack.vllm_server import VllmServer, VllmSettings, vllm_unavailable
+from dflash_pipeline.dev.stack.vllm_server import (
+    VllmServer,
+    VllmSettings,
+    draft_model_spec,
+    ngram_spec,
+    vllm_unavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class VllmEndpoint:
     max_model_len: int
     max_num_seqs: int
     started_in_s: float
+    speculative: dict[str, Any] | None = None  # the --speculative-config, None when not speculating
 
 
 def _require_vllm() -> None:
@@ -64,8 +77,9 @@ def _serve(checkpoint: Path, settings: VllmSettings, workdir: Path) -> Iterator[
     server.start()
     assert server.log_path is not None and server.started_in_s is not None
     try:
+        spec = None if settings.speculative_config is None else dict(settings.speculative_config)
         yield VllmEndpoint(server.base_url, settings.served_model_name, checkpoint, checkpoint, server.log_path,
-                           settings.max_model_len, settings.max_num_seqs, server.started_in_s)
+                           settings.max_model_len, settings.max_num_seqs, server.started_in_s, spec)
     finally:
         server.stop()
 
@@ -81,3 +95,19 @@ def vllm_scale_out_server(tiny_qwen_checkpoint: Path,
                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
     """A second real server, with ``--enable-scale-out`` (see the module docstring)."""
     yield from _serve(tiny_qwen_checkpoint, VllmSettings(enable_scale_out=True), tmp_path_factory.mktemp("vllm-so"))
+
+
+@pytest.fixture(scope="session")
+def vllm_ngram_server(tiny_qwen_checkpoint: Path,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """A real server speculating with vLLM's n-gram drafter (see the module docstring)."""
+    yield from _serve(tiny_qwen_checkpoint, VllmSettings(speculative_config=ngram_spec()),
+                      tmp_path_factory.mktemp("vllm-ngram"))
+
+
+@pytest.fixture(scope="session")
+def vllm_draft_model_server(tiny_qwen_checkpoint: Path,
+                            tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """A real server speculating with the tiny checkpoint as its own draft model (see the module docstring)."""
+    yield from _serve(tiny_qwen_checkpoint, VllmSettings(speculative_config=draft_model_spec(tiny_qwen_checkpoint)),
+                      tmp_path_factory.mktemp("vllm-draft"))

@@ -14,6 +14,14 @@ What the command line carries and why:
   at start), ``--max-model-len``, ``--max-num-seqs``, ``--kv-cache-memory-bytes`` (0.32's flag;
   ``VLLM_CPU_KVCACHE_SPACE`` in GiB is its legacy form), loopback host, a free port,
   ``--served-model-name``.
+* Speculating (``VllmSettings.speculative_config``: :func:`ngram_spec`, :func:`draft_model_spec`):
+  ``--speculative-config <json>`` and ``--per-request-spec-decode-metrics summary`` (0.32's flag,
+  ``none|summary|detailed``; vLLM refuses it without a speculative config), so each response carries
+  ``metrics.speculative_decoding``. Such a server also gets ``PYTHONPATH=dev/engine/vllm_cpu_fix``,
+  whose ``sitecustomize`` fixes the CPU build's rejection-sampler expand kernel (without it any
+  request with temperature > 0 kills the engine; see that file). ``preload_iomp`` puts the venv's
+  ``libiomp5.so`` in ``LD_PRELOAD`` (vLLM warns that speculation on CPU wants it; off by default,
+  docs/engines.md has what it changed). :func:`spec_counters` reads the ``/metrics`` counters.
 * No network: ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``, and ``VLLM_NO_USAGE_STATS`` /
   ``DO_NOT_TRACK`` (vLLM otherwise reports usage statistics over the network).
 * vLLM's caches go under the server's work directory, not ``~/.cache/vllm``.
@@ -26,14 +34,17 @@ else does.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -44,6 +55,8 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[4]
 VENV_ENV = "DFLASH_VLLM_VENV"
 """Environment variable naming another vLLM venv than the repository's ``.venv-vllm``."""
+CPU_FIX_DIR = Path(__file__).resolve().parents[1] / "engine" / "vllm_cpu_fix"
+"""Holds the ``sitecustomize`` that fixes vLLM 0.32 CPU's rejection-sampler expand kernel (speculating servers)."""
 _DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
 
 
@@ -62,6 +75,64 @@ def vllm_unavailable(venv: Path | None = None) -> str | None:
     return None
 
 
+def ngram_spec(k: int = 3) -> dict[str, Any]:
+    """vLLM's n-gram (prompt lookup) drafter: proposes up to `k` tokens that followed the last 1-3
+    tokens where they occurred before in the prompt or output (no model). On the tiny model,
+    whose thinking repeats, it is accepted often at temperature 0."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def draft_model_spec(draft: Path, k: int = 3) -> dict[str, Any]:
+    """A separate draft model (`draft`: a checkpoint directory; the tiny checkpoint can be its own
+    draft, then every greedy draft token is accepted)."""
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's `/metrics` speculative-decoding counters (summed over engines): verify steps with a
+    draft (`vllm:spec_decode_num_drafts_total`), draft tokens proposed and accepted, and accepted
+    tokens per draft position (0-based). All zero on a server that does not speculate."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
+        width = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        pad = lambda t: tuple(t) + (0,) * (width - len(t))  # noqa: E731
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted_tokens - before.accepted_tokens,
+                            tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))))
+
+
+def parse_spec_counters(metrics_text: str) -> SpecCounters:
+    """The spec-decode counters of a vLLM `/metrics` text (prometheus exposition format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+            elif sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+    return SpecCounters(int(totals["drafts"]), int(totals["draft_tokens"]), int(totals["accepted_tokens"]),
+                        tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1)))
+
+
+def spec_counters(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
+    """GET `base_url`/metrics and parse its spec-decode counters."""
+    r = requests.get(f"{base_url}/metrics", timeout=timeout_s)
+    r.raise_for_status()
+    return parse_spec_counters(r.text)
+
+
 @dataclass(frozen=True)
 class VllmSettings:
     """The server's knobs (defaults sized for the tiny model on a 2-core machine)."""
@@ -73,6 +144,10 @@ class VllmSettings:
     dtype: str = "float32"
     reasoning_parser: str | None = "qwen3"
     enable_scale_out: bool = False  # registers /render, /v1/chat/completions/render etc. (403 without)
+    speculative_config: Mapping[str, Any] | None = None  # --speculative-config (JSON); None: no speculation
+    spec_decode_metrics: str = "summary"  # --per-request-spec-decode-metrics when speculating (none|summary|detailed)
+    preload_iomp: bool = False  # LD_PRELOAD the venv's libiomp5.so (vLLM's CPU advice for speculation)
+    cpu_expand_fix: bool = True  # speculating servers load dev/engine/vllm_cpu_fix (see its docstring)
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_CPU_OMP_THREADS_BIND
 
@@ -116,6 +191,9 @@ class VllmServer:
             argv += ["--reasoning-parser", s.reasoning_parser]
         if s.enable_scale_out:
             argv.append("--enable-scale-out")
+        if s.speculative_config is not None:
+            argv += ["--speculative-config", json.dumps(dict(s.speculative_config), sort_keys=True),
+                     "--per-request-spec-decode-metrics", s.spec_decode_metrics]
         return argv + list(s.extra_args)
 
     def environment(self, workdir: Path) -> dict[str, str]:
@@ -130,6 +208,10 @@ class VllmServer:
             "VLLM_CONFIG_ROOT": str(workdir / "config"),
             "PATH": f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         })
+        if self.settings.speculative_config is not None and self.settings.cpu_expand_fix:
+            env["PYTHONPATH"] = str(CPU_FIX_DIR)
+        if self.settings.preload_iomp:
+            env["LD_PRELOAD"] = str(self.venv / "lib" / "libiomp5.so")
         env.update(self.settings.env)
         return env
 
