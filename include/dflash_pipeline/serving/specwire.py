@@ -158,10 +158,12 @@ def sglang_spec_config(info: Mapping[str, Any]) -> SpecConfig | None:
                       None if version is None else str(version), source, engine_args)
 
 
-_VLLM_SPEC = re.compile(
-    r"^vllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|num_accepted_tokens_per_pos)_total"
-    r"(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
-_POSITION = re.compile(r'position="(\d+)"')
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SGLANG_VERIFY = "sglang:spec_verify_calls"
+_COUNTERS = (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, SGLANG_VERIFY)
 
 
 @dataclass(frozen=True)
@@ -185,23 +187,51 @@ class VllmSpecCounters:
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts > 0 else None
 
 
+@dataclass(frozen=True)
+class SglangSpecCounters:
+    """SGLang's one speculative counter (`--enable-metrics`): verify steps, summed over ranks."""
+
+    verify_steps: int
+
+
+def spec_counters(metrics_text: str) -> VllmSpecCounters | SglangSpecCounters | None:
+    """The speculative counters of a `/metrics` text (Prometheus exposition, read with
+    prometheus_client's parser): vLLM's when it publishes `vllm:spec_decode_num_drafts`, else
+    SGLang's verify calls, else None (the server does not speculate, or the text does not parse).
+    Every reader of these counters (preflight, the eval's cross-check, the dev stack) calls this."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
+                    continue
+                name = sample.name[:-len("_total")] if sample.name.endswith("_total") else sample.name
+                if name == VLLM_PER_POS:
+                    if "position" in sample.labels:
+                        pos = int(sample.labels["position"])
+                        per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+                elif name in _COUNTERS:
+                    sums[name] = sums.get(name, 0.0) + sample.value
+    except ValueError as exc:
+        logger.warning("unparseable /metrics text: %s", exc)
+        return None
+    if VLLM_DRAFTS in sums:
+        positions = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)) if per_pos else ()
+        return VllmSpecCounters(int(sums[VLLM_DRAFTS]), int(sums.get(VLLM_DRAFT_TOKENS, 0)),
+                                int(sums.get(VLLM_ACCEPTED, 0)), positions)
+    if SGLANG_VERIFY in sums:
+        return SglangSpecCounters(int(sums[SGLANG_VERIFY]))
+    return None
+
+
 def vllm_spec_counters(metrics_text: str) -> VllmSpecCounters | None:
     """The `vllm:spec_decode_*_total` counters of a `/metrics` text; None when absent (the server
     does not speculate)."""
-    totals: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    for name, labels, value in _VLLM_SPEC.findall(metrics_text):
-        if name == "num_accepted_tokens_per_pos":
-            m = _POSITION.search(labels or "")
-            if m:
-                per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + float(value)
-        else:
-            totals[name] = totals.get(name, 0.0) + float(value)
-    if "num_drafts" not in totals:
-        return None
-    positions = tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)) if per_pos else ()
-    return VllmSpecCounters(int(totals["num_drafts"]), int(totals.get("num_draft_tokens", 0)),
-                            int(totals.get("num_accepted_tokens", 0)), positions)
+    counters = spec_counters(metrics_text)
+    return counters if isinstance(counters, VllmSpecCounters) else None
 
 
 def vllm_spec_config(metrics_text: str | None, version: str | None) -> SpecConfig | None:

@@ -49,6 +49,7 @@ from typing import Any
 import requests
 
 from dflash_pipeline.dev.stack.procs import LOOPBACK, StackError, free_port, spawn, stop_process_groups, tail
+from dflash_pipeline.serving.specwire import vllm_spec_counters
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +109,12 @@ class SpecCounters:
 
 
 def parse_spec_counters(metrics_text: str) -> SpecCounters:
-    """The spec-decode counters of a vLLM `/metrics` text (prometheus exposition format)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
-    per_pos: dict[int, float] = {}
-    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens"}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in names:
-                totals[names[sample.name]] += sample.value
-            elif sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                pos = int(sample.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
-    return SpecCounters(int(totals["drafts"]), int(totals["draft_tokens"]), int(totals["accepted_tokens"]),
-                        tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1)))
+    """The spec-decode counters of a vLLM `/metrics` text (serving/specwire.py parses them); all
+    zero when the server publishes none."""
+    c = vllm_spec_counters(metrics_text)
+    if c is None:
+        return SpecCounters()
+    return SpecCounters(c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_position)
 
 
 def spec_counters(base_url: str, timeout_s: float = 10.0) -> SpecCounters:

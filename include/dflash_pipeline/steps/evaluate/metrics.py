@@ -4,7 +4,7 @@ Why: the per-row statistics are what the report is built from; the engine's serv
 are an independent witness. The eval scrapes each server before and after each condition and keeps
 the delta; the report compares it with the sum of that server's rows of that run.
 
-What each engine publishes (Prometheus text, parsed with prometheus_client's parser):
+What each engine publishes (Prometheus text; serving/specwire.py `spec_counters` parses it):
 - vLLM 0.32 (`vllm/v1/spec_decode/metrics.py`): counters `vllm:spec_decode_num_drafts_total`
   (verify steps), `..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and
   `..._num_accepted_tokens_per_pos_total{position}`; summed over engines (`engine` label).
@@ -21,46 +21,24 @@ import logging
 from typing import Any
 
 from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.serving.specwire import SglangSpecCounters, VllmSpecCounters, spec_counters
 
 logger = logging.getLogger(__name__)
 
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts"
-VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-SGLANG_VERIFY = "sglang:spec_verify_calls"
-
-
 def parse_spec_counters(text: str) -> dict[str, Any]:
-    """The speculative counters in a /metrics text: {"verify_steps", "accepted_tokens", "draft_tokens",
-    "per_position": [..]} (vLLM) or {"verify_steps"} (SGLang); {} when the server publishes none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name[:-len("_total")] if sample.name.endswith("_total") else sample.name
-                if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
-                    continue
-                if name == VLLM_PER_POS:
-                    pos = int(sample.labels.get("position", "0"))
-                    per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
-                elif name in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, SGLANG_VERIFY):
-                    sums[name] = sums.get(name, 0.0) + sample.value
-    except ValueError as exc:
-        logger.warning("unparseable /metrics text: %s", exc)
-        return {}
-    if VLLM_DRAFTS in sums:
-        out: dict[str, Any] = {"engine": "vllm", "verify_steps": int(sums[VLLM_DRAFTS]),
-                               "accepted_tokens": int(sums.get(VLLM_ACCEPTED, 0)),
-                               "draft_tokens": int(sums.get(VLLM_DRAFT_TOKENS, 0))}
-        if per_pos:
-            out["per_position"] = [int(per_pos[k]) for k in sorted(per_pos)]
+    """The speculative counters in a /metrics text (serving/specwire.py parses them):
+    {"verify_steps", "accepted_tokens", "draft_tokens", "per_position": [..]} (vLLM) or
+    {"verify_steps"} (SGLang); {} when the server publishes none."""
+    counters = spec_counters(text)
+    if isinstance(counters, VllmSpecCounters):
+        out: dict[str, Any] = {"engine": "vllm", "verify_steps": counters.drafts,
+                               "accepted_tokens": counters.accepted_tokens,
+                               "draft_tokens": counters.draft_tokens}
+        if counters.accepted_per_position:
+            out["per_position"] = list(counters.accepted_per_position)
         return out
-    if SGLANG_VERIFY in sums:
-        return {"engine": "sglang", "verify_steps": int(sums[SGLANG_VERIFY])}
+    if isinstance(counters, SglangSpecCounters):
+        return {"engine": "sglang", "verify_steps": counters.verify_steps}
     return {}
 
 
