@@ -24,6 +24,8 @@ Threads and what they own (each shared thing has one owner object with a narrow 
 - renewer (chunks.LeaseKeeper): renewals; a refused one ends the lease (TAKEN_OVER), and the chunk
   reads itself as dropped from its lease (chunks.py invariant 8), so no flag has to be set in time.
 - ServerHealth (failing.py): whether the server is failing, and its generation probe.
+- Breaker (breaker.py): the permanent-error tally and its judge thread's verdict; main polls it and
+  acts on it (verdicts.py, main only).
 - PartialWriter (handback.py): every partial write, serialized per chunk.
 - request threads: one unit each (all its turns); they read their chunk's `dropped` and the stop.
 - pilot (serving/pilot.py): the in-flight limit; main and the claimer only read it.
@@ -34,7 +36,7 @@ probe; after `handoff_after_s` its open chunks go to the fleet (finished rows sa
 chunk with requests in flight only once they are back), after `server_lost_after_s` ServerLost. A
 busy server (requests running, ours in flight) is not failing: what it refuses goes back in line.
 A server answering mostly permanent errors is paused and judged (breaker.py): ServerBroken only
-when it refuses what its peers serve. `request_stop()` (SIGTERM) ends `run()` within
+when it refuses what its peers serve. What main does with either verdict is verdicts.py. `request_stop()` (SIGTERM) ends `run()` within
 `stop_grace_s`, a hand-off in progress included: complete chunks are committed or saved first,
 then every other held chunk's finished rows, and the claims released.
 
@@ -88,10 +90,10 @@ from dflash_pipeline.steps.generate.state import (
     Outcome,
     ServerBroken,
     ServerConfigError,
-    ServerLost,
     TaskStopped,
     WorkerStats,
 )
+from dflash_pipeline.steps.generate.verdicts import Verdicts
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +166,9 @@ class Worker:
             start_slots=DEFAULT_CAPACITY,
             policy=ConcurrencyPolicy(cap=max(1, s.concurrency_cap), headroom_s=s.headroom_s,
                                      probe_every_s=s.probe_every_s))
+        self.verdicts = Verdicts(settings=s, stats=self.stats, breaker=self.breaker, health=self.health,
+                                 ledger=self.ledger, claimer=self.claimer, closer=self.closer, stop=self.stop,
+                                 finish_chunk=self._finish_chunk, take_open=self._take_open)
         warm_up()
 
     @property
@@ -326,47 +331,6 @@ class Worker:
         if chunk.complete and not self.breaker.deciding:  # held while the breaker judges (breaker.py)
             self._finish_chunk(chunk)
 
-    def _judge(self) -> None:
-        """Main: the breaker's verdict, once in. Broken: this server's permanent error rows are taken
-        out of its open chunks (none of them is committed; their prompts are redone elsewhere) and
-        ServerBroken raised. Otherwise the chunks completed while it was judged go to the committer."""
-        try:
-            verdict = self.breaker.poll()
-        except ServerBroken:
-            for chunk in self.ledger.open_chunks():
-                chunk.results = {k: r for k, r in chunk.results.items()
-                                 if not r.get("error_class") or r.get("retryable")}
-            raise
-        if verdict is None:
-            return
-        self.stats.breaker_checks += 1
-        self.stats.prompt_verdicts += verdict == "prompts"
-        for chunk in self.ledger.open_chunks():
-            if chunk.complete and not chunk.dropped and chunk.lease is not None \
-                    and chunk.lease.state in (State.OPEN, State.REPAIRING):
-                self._finish_chunk(chunk)
-
-    def _while_failing(self) -> None:
-        """Main, while the server is failing: probe it; hand the open chunks to the fleet after
-        `handoff_after_s`; give up after `server_lost_after_s` (module docstring)."""
-        if self.health.poll(self.in_flight):
-            self.claimer.wake.set()
-            return
-        down_for = self.health.failing_for()
-        s = self.settings
-        if down_for >= s.handoff_after_s and any(ch.in_flight <= 0 for ch in self.ledger.open_chunks()):
-            # A chunk with requests in flight stays until they are back: a generation finishing
-            # now is kept (its row is handed back with the chunk, or the server resumes).
-            why = f"server {s.server.name} failing for {down_for:.0f}s"
-            jobs = self._take_open(keep_errors=True, keep_busy=True)
-            t0 = time.monotonic()
-            self.closer.hand_off(why, jobs, lambda: min(t0 + 30.0, self.stop.deadline()))
-        if down_for >= s.server_lost_after_s:
-            raise ServerLost(
-                f"server {s.server.name} lost: no generation for {down_for:.0f}s "
-                f"(server_lost_after_s={s.server_lost_after_s:g})"
-            )
-
     def _take_open(self, keep_errors: bool, keep_busy: bool = False) -> list[Job]:
         """Main takes every open (and offered) chunk back from the Ledger and moves its lease
         OPEN/REPAIRING -> RELEASED: the jobs to hand back (finished rows to save). `keep_busy`
@@ -450,9 +414,9 @@ class Worker:
         try:
             while True:
                 self._raise_thread_errors()
-                self._judge()
+                self.verdicts.judge()
                 if self.health.failing:
-                    self._while_failing()
+                    self.verdicts.while_failing(self.in_flight)
                 else:
                     self._fill(pool)
                 if self.in_flight == 0 and not self.pending:
