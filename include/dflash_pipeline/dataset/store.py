@@ -280,7 +280,14 @@ def bounded_call(fn: Callable[[], T], *, stop: threading.Event, cut_at: Callable
 class StopBoundStore(Store):
     """The same bucket, every call bounded by a stop (`bounded_call`): what a task's main thread uses,
     so no S3 call main makes, slow or failing, outlasts the stop's deadline. Calls made on the
-    bounded call's own thread (a `get` reading its body, a listing's pages) run direct."""
+    bounded call's own thread (a `get` reading its body, a listing's pages) run direct.
+
+    Who uses it: the generate worker's Scanner (`Worker.main_store`), so the claimer thread's
+    scans through the Scanner are bounded by the stop too. An abandoned call is not cancelled: its
+    daemon thread runs on and its request may still land after StopCut, so what goes through this
+    store must be safe to land late (the Scanner's writes are If-Match deletes of stray claims).
+    State: `_inside` is per thread; `_last_server_time` is written by whichever call answered
+    last (any thread, last writer wins) and copied to the wrapped store."""
 
     def __init__(self, store: Store, stop: threading.Event, cut_at: Callable[[], float]) -> None:
         super().__init__(store.client, store.bucket)

@@ -27,8 +27,13 @@ counted by class and validate's max_error_rate reports them.
 
 Threads and owners: main calls `record`, `deciding` and `poll`; while `deciding`, main sends no new
 request and completes no chunk (worker.py), so no error row of a server being judged is committed.
-The judgement runs on one daemon thread (HTTP, bounded timeouts), which writes only `_verdict`; main
-never waits for it, so a stop is never delayed by it.
+The judgement runs on one daemon thread (HTTP, bounded timeouts: the canary at most 30 s, the
+context probe 10 s), which writes only `_verdict` (an exception in it is an "undecided" verdict);
+main never waits for it, so a stop is never delayed by it. What main does with the verdict is
+verdicts.py. A kill takes the thread with it (nothing committed while deciding, nothing saved
+here). A stop or an exception on main while deciding ends the run through `Closer.give_up`,
+which does not ask the breaker: it commits the complete chunks it holds and hands back the
+others' permanent error rows like any stop's (the hold above covers a running worker only).
 """
 
 from __future__ import annotations

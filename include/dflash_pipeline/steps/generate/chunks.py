@@ -228,8 +228,11 @@ class ChunkStore:
         self.store_deadline_s = store_deadline_s
         # Claims whose write may have landed unanswered (a claim that ended StoreUnavailable after a
         # send): chunk -> its nonce, kept until S3 says whose the key is (`recover`, or the next
-        # claim of that chunk, which re-sends the same nonce). Claimer thread only; the lock keeps
-        # reads from other threads (the end of a run) consistent.
+        # claim of that chunk, which re-sends the same nonce). Owner: the claimer thread (the only
+        # caller of `claim`, `recover` and `is_pending`); the lock only guards against a future
+        # reader elsewhere. A kill or a stop forgets these nonces: a claim that did land is then
+        # nobody's known lease; it expires after `lease_s` for peers, and this task's retry takes
+        # it back once it is `quiet_after_s` unrenewed (claiming.Claimer._find_own_stale).
         self._pending: dict[int, str] = {}
         self._pending_lock = threading.Lock()
 

@@ -19,10 +19,14 @@ resumes the worker. A server without a load endpoint (a generic OpenAI server) s
 life but its answers.
 
 Threads and owners: main calls every method except `failing_since()`, which the claimer reads.
-Two daemon threads write one field each and never block main: the probe (`_probe_ok_t`) and the
-life sampler (`_life`: when a load sample last showed requests running), which samples every
-`life_every_s` while main keeps asking (a transient failure unexplained, or failing) and ends
-`life_watch_s` after the last question. A kill takes both with it; nothing here needs saving.
+Two daemon threads never block main: the probe writes `_probe_ok_t` (and counts `probes`), the
+life sampler writes `_life` (when a load sample last showed requests running); main only reads
+those. The sampler samples every `life_every_s` while main keeps asking (`_life_until`, main's,
+which the sampler reads: a transient failure unexplained, or failing) and ends `life_watch_s`
+after the last question; a question asked as it is ending may find it still alive and start none,
+so that question sees no fresh sample and the next one starts it again. A probe's or a load
+sample's exception is a failed probe / no sign of life, never raised. A kill takes both threads
+with it; nothing here needs saving.
 """
 
 from __future__ import annotations
