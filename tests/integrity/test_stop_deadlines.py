@@ -8,7 +8,7 @@ takes (a slow S3 call, a load probe, a stuck thread). This scan reads the AST of
 - `x.join()`, `x.result()`, `x.wait()`, `x.acquire()`, `q.get()` without a timeout;
 - `time.sleep(...)` (a sleep does not end on the stop: wait on the stop's Event instead);
 - `with_retries(...)` without an explicit `deadline_s=`;
-- in the modules that are main's own (worker.py, stopping.py), any direct S3 call (`.store.<op>(`,
+- in the modules that are main's own (worker.py, stopping.py, verdicts.py), any direct S3 call (`.store.<op>(`,
   `Store(`): main reaches S3 only through `main_store` (dataset/store.StopBoundStore: every call
   cut at the stop) or through owners whose calls take the stop's deadline;
 - in worker.py, a `Scanner(...)` not given `self.main_store`: its calls run on main (the end-of-run
@@ -27,7 +27,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "include" / "dflash_pipeline"
 SCANNED = [*sorted((PKG / "steps" / "generate").glob("*.py")), PKG / "serving" / "pilot.py"]
-MAIN_MODULES = {"worker.py", "stopping.py"}
+MAIN_MODULES = {"worker.py", "stopping.py", "verdicts.py"}
 STORE_OPS = {"get", "head", "list", "put", "delete", "open", "check_bucket"}
 NEED_TIMEOUT = {"join", "result", "wait", "acquire"}
 _NOTE = re.compile(r"#\s*bounded:\s*(\S+\s+\S+\s+\S+.*)$")
