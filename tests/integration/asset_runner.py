@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dagtest_runner import open_bag, run_confs  # this folder is sys.path[0]: run as a script
+
 CONSUMER = "dflash_tokenize"
 
 
@@ -93,27 +95,9 @@ def _run_consumer(dag: Any) -> dict[str, Any]:
 
 
 def main() -> int:
-    dags_folder = Path(sys.argv[1])
-    confs = json.loads(sys.argv[2])
-    from airflow.dag_processing.dagbag import DagBag
-    from airflow.utils import db
-
-    db.initdb()
-    bag = DagBag(dag_folder=str(dags_folder))
-    dag = bag.get_dag("dflash_generate")
-    for conf in confs:
-        out: dict[str, object] = {"state": None, "tasks": [], "error": None}
-        try:
-            dr = dag.test(run_conf=conf)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            out["state"] = str(dr.state)
-            out["run_id"] = dr.run_id
-            out["tasks"] = sorted([ti.task_id, ti.map_index, str(ti.state)] for ti in dr.get_task_instances())
-            out["validate_xcom"] = _xcom("dflash_generate", dr.run_id, "validate_and_count")
-        sys.stdout.write("RESULT " + json.dumps(out) + "\n")
-        sys.stdout.flush()
+    bag = open_bag(Path(sys.argv[1]))
+    run_confs(bag.get_dag("dflash_generate"), json.loads(sys.argv[2]),
+              extra=lambda dr: {"validate_xcom": _xcom("dflash_generate", dr.run_id, "validate_and_count")})
     sys.stdout.write("ASSETS " + json.dumps(_assets(), default=str) + "\n")
     sys.stdout.flush()
     sys.stdout.write("CONSUMER " + json.dumps(_run_consumer(bag.get_dag(CONSUMER)), default=str) + "\n")

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
-def main() -> int:
-    dags_folder = Path(sys.argv[1])
-    confs = json.loads(sys.argv[2])
+def open_bag(dags_folder: Path) -> Any:
+    """A migrated metadata DB and the DagBag of `dags_folder` (Airflow imported only now)."""
     from airflow.dag_processing.dagbag import DagBag
     from airflow.utils import db
 
     db.initdb()
-    dag = DagBag(dag_folder=str(dags_folder)).get_dag("dflash_generate")
+    return DagBag(dag_folder=str(dags_folder))
+
+
+def run_confs(dag: Any, confs: list[dict[str, Any]], extra: Callable[[Any], dict[str, Any]] | None = None) -> None:
+    """`dag.test()` each conf and print its RESULT line (`extra(dag_run)` adds keys to it)."""
     for conf in confs:
         out: dict[str, object] = {"state": None, "tasks": [], "error": None}
         try:
@@ -30,8 +35,14 @@ def main() -> int:
             out["state"] = str(dr.state)
             out["run_id"] = dr.run_id
             out["tasks"] = sorted([ti.task_id, ti.map_index, str(ti.state)] for ti in dr.get_task_instances())
+            if extra is not None:
+                out.update(extra(dr))
         sys.stdout.write("RESULT " + json.dumps(out) + "\n")
         sys.stdout.flush()
+
+
+def main() -> int:
+    run_confs(open_bag(Path(sys.argv[1])).get_dag("dflash_generate"), json.loads(sys.argv[2]))
     return 0
 
 

@@ -1,5 +1,5 @@
 """dag.test() runs of dflash_eval in a fresh interpreter with its own AIRFLOW_HOME (as dagtest_runner.py
-does for dflash_generate): one RESULT line per conf ({"state", "run_id", "tasks", "error", "report_xcom"}),
+does for dflash_generate): one RESULT line per conf ({"state", "run_id", "tasks", "error"}),
 then one ASSETS line with the dflash_eval asset's events (source run, extra), read from the metadata DB.
 """
 
@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from dagtest_runner import open_bag, run_confs  # this folder is sys.path[0]: run as a script
 
 
 def _events() -> list[dict[str, Any]]:
@@ -27,25 +29,7 @@ def _events() -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    dags_folder = Path(sys.argv[1])
-    confs = json.loads(sys.argv[2])
-    from airflow.dag_processing.dagbag import DagBag
-    from airflow.utils import db
-
-    db.initdb()
-    dag = DagBag(dag_folder=str(dags_folder)).get_dag("dflash_eval")
-    for conf in confs:
-        out: dict[str, object] = {"state": None, "tasks": [], "error": None}
-        try:
-            dr = dag.test(run_conf=conf)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            out["state"] = str(dr.state)
-            out["run_id"] = dr.run_id
-            out["tasks"] = sorted([ti.task_id, ti.map_index, str(ti.state)] for ti in dr.get_task_instances())
-        sys.stdout.write("RESULT " + json.dumps(out) + "\n")
-        sys.stdout.flush()
+    run_confs(open_bag(Path(sys.argv[1])).get_dag("dflash_eval"), json.loads(sys.argv[2]))
     sys.stdout.write("ASSETS " + json.dumps(_events()) + "\n")
     return 0
 

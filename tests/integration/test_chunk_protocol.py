@@ -20,15 +20,6 @@ from dflash_pipeline.dataset.store import KeyGone, PreconditionFailed, Store, St
 from dflash_pipeline.steps.generate import ServerBroken, ServerLost, TaskStopped
 
 
-def _rows(run: Run) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for obj in run.store.list(run.layout.completions_prefix):
-        got = run.store.get(obj.key)
-        assert got is not None
-        rows.extend(decode_part(got[0]).to_pylist())
-    return rows
-
-
 def test_store_maps_conditional_outcomes_on_a_real_s3_server(s3_client: Any, bucket: str) -> None:
     store = Store(s3_client, bucket)
     etag = store.put("k/claim.json", b"a", if_none_match=True, metadata={"nonce": "n1"})
@@ -56,7 +47,7 @@ def test_aborted_requests_are_retried_never_stored(s3_client: Any, bucket: str, 
     report = run.validate()
     aborted = sum(s["faults"]["abort"] for s in fleet.stats())
     assert aborted >= 5, "the fault was really injected"
-    rows = _rows(run)
+    rows = run.rows()
     assert len(rows) == 400
     assert {r["finish_reason"] for r in rows if not r.get("error_class")} <= {"stop", "length"}
     assert report["completions"] == 400  # every abort was retried into a finished answer
@@ -203,7 +194,7 @@ def test_a_server_answering_only_permanent_errors_trips_the_breaker(s3_client: A
     assert "permanent" in str(results[0]) and fleet.servers[0].url in str(results[0])
     assert isinstance(results[1], dict), results[1]
     run.validate()
-    rows = _rows(run)
+    rows = run.rows()
     assert not [r for r in rows if r.get("error_class")], "no error row of the broken server was committed"
 
 

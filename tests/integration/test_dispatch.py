@@ -22,6 +22,7 @@ import pytest
 
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.records import decode_part
 from dflash_pipeline.steps.generate.chunks import State
 from dflash_pipeline.dataset.store import PreconditionFailed, Store
 from dflash_pipeline.serving.sglang import ServerSpec
@@ -44,8 +45,9 @@ def _prompts(n: int) -> bytes:
 class Run:
     """One planned dataset root: plan and preflight done, Workers made on demand."""
 
-    def __init__(self, s3: Any, bucket: str, urls: list[str], n: int, save_every: int) -> None:
-        s3.put_object(Bucket=bucket, Key="in/prompts.jsonl", Body=_prompts(n))
+    def __init__(self, s3: Any, bucket: str, urls: list[str], n: int, save_every: int,
+                 prompts: bytes | None = None) -> None:
+        s3.put_object(Bucket=bucket, Key="in/prompts.jsonl", Body=_prompts(n) if prompts is None else prompts)
         self.s3, self.bucket, self.n = s3, bucket, n
         self.cfg = RunConfig.from_params({
             "prompts_uri": f"s3://{bucket}/in/prompts.jsonl",
@@ -101,6 +103,15 @@ class Run:
         assert report["prompts"] == self.n
         assert report["missing"] == 0 and report["duplicates"] == 0 and report["unexpected_ids"] == 0
         return report
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every committed row, read from the parts."""
+        rows: list[dict[str, Any]] = []
+        for obj in self.store.list(self.layout.completions_prefix):
+            got = self.store.get(obj.key)
+            assert got is not None
+            rows.extend(decode_part(got[0]).to_pylist())
+        return rows
 
     def claims_left(self) -> list[str]:
         return [o.key for o in self.store.list(self.layout.claims_prefix)]

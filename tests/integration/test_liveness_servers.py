@@ -26,14 +26,7 @@ import pytest
 from test_dispatch import RUN_ID, SIM, Run
 from test_protocol_review import _run_in_thread, _stop
 
-from dflash_pipeline.config import RunConfig
-from dflash_pipeline.dataset.layout import DatasetLayout
-from dflash_pipeline.dataset.records import decode_part
-from dflash_pipeline.dataset.store import Store
-from dflash_pipeline.serving.sglang import ServerSpec
 from dflash_pipeline.steps.generate import ServerBroken
-from dflash_pipeline.steps.plan import run_plan
-from dflash_pipeline.steps.preflight import run_preflight
 from dflash_pipeline.steps.validate import run_validation
 from dflash_pipeline.steps.validate.report import Thresholds
 
@@ -49,20 +42,7 @@ class PromptRun(Run):
     def __init__(self, s3: Any, bucket: str, urls: list[str], prompts: list[dict[str, Any]],
                  save_every: int) -> None:
         body = ("\n".join(json.dumps(p) for p in prompts) + "\n").encode()
-        s3.put_object(Bucket=bucket, Key="in/prompts.jsonl", Body=body)
-        self.s3, self.bucket, self.n = s3, bucket, len(prompts)
-        self.cfg = RunConfig.from_params({
-            "prompts_uri": f"s3://{bucket}/in/prompts.jsonl",
-            "output_uri": f"s3://{bucket}/ds",
-            "servers": urls,
-            "save_every": save_every,
-        })
-        self.specs = [ServerSpec(u, u) for u in urls]
-        run_plan(s3, self.cfg, RUN_ID)
-        self.infos = run_preflight(s3, self.cfg, self.specs, RUN_ID)
-        self.layout = DatasetLayout.from_uri(self.cfg.output_uri)
-        self.store = Store(s3, bucket)
-        self.manifest = json.loads(self.store.get(self.layout.manifest_key)[0])
+        super().__init__(s3, bucket, urls, len(prompts), save_every, prompts=body)
 
     def validate(self) -> dict[str, Any]:
         """Exact (every prompt once); the unservable prompts' error rows are above the default 1 %."""
@@ -80,15 +60,6 @@ def _prompts(n: int, long: range) -> list[dict[str, Any]]:
             text += " Consider" + " every number" * (LONG_WORDS // 2) + "."
         out.append({"id": f"q{i:05d}", "prompt": text})
     return out
-
-
-def _rows(run: Run) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for obj in run.store.list(run.layout.completions_prefix):
-        got = run.store.get(obj.key)
-        assert got is not None
-        rows.extend(decode_part(got[0]).to_pylist())
-    return rows
 
 
 # -- 1: a chunk nobody can serve ----------------------------------------------------------------------
@@ -122,7 +93,7 @@ def test_a_chunk_no_server_can_serve_becomes_error_rows(s3_client: Any, bucket: 
         f"{len(run.manifest['chunks']['sizes'])}"
     report = run.validate()
     assert len(run.committed()) == len(run.manifest["chunks"]["sizes"])
-    rows = _rows(run)
+    rows = run.rows()
     errors = [r for r in rows if r.get("error_class")]
     assert sorted(r["id"] for r in errors) == [f"q{i:05d}" for i in range(0, 40)]
     assert {r["error_class"] for r in errors} == {"ContextLengthExceeded"}
@@ -145,7 +116,7 @@ def test_a_lone_server_failing_a_one_line_prompt_is_still_broken(s3_client: Any,
     result = run.run_all([run.worker(0)])[0]
     assert isinstance(result, ServerBroken), result
     assert fleet.servers[0].url in str(result)
-    assert not [r for r in _rows(run) if r.get("error_class")], "no error row of the broken server was committed"
+    assert not [r for r in run.rows() if r.get("error_class")], "no error row of the broken server was committed"
 
 
 @pytest.mark.timeout(120)
@@ -162,10 +133,26 @@ def test_a_server_restarted_with_a_smaller_context_is_broken_though_short_prompt
     assert "context" in str(results[0]) and fleet.servers[0].url in str(results[0])
     assert isinstance(results[1], dict), results[1]
     run.validate()
-    assert not [r for r in _rows(run) if r.get("error_class")], "no error row of the broken server was committed"
+    assert not [r for r in run.rows() if r.get("error_class")], "no error row of the broken server was committed"
 
 
 # -- 2: a busy server answering 503 "queue full" --------------------------------------------------------
+
+
+def _run_busy(fleet: Any, worker: Any, label: str) -> tuple[bool, dict[str, Any], dict[str, Any], str]:
+    """Run `worker` against the busy server for at most 80 s, then stop it: (finished, its result or
+    error, the server's stats, the figures line, printed)."""
+    t, out = _run_in_thread(worker)
+    t.join(timeout=80)
+    finished = not t.is_alive()
+    _stop(worker, t)
+    stats = fleet.servers[0].stats()
+    figures = (f"{label}: finished={finished}, handoffs={worker.stats.handoffs}, "
+               f"rows_discarded={worker.stats.rows_discarded}, generation requests={stats['generation_requests']}, "
+               f"rejected queue full={stats['rejected_queue_full']}, error rows={worker.stats.errors}")
+    print(figures)
+    return finished, out, stats, figures
+
 
 # 4 slots, 1 waiting: while 4 long generations (~2-4 s each) run and 1 waits, any further request is answered 503
 # "The request queue is full." at once.
@@ -181,15 +168,7 @@ def test_a_busy_server_shedding_load_with_503_is_not_failing(s3_client: Any, buc
     over = dict(concurrency=7, adaptive_headroom=mode == "discovered", handoff_after_s=1.0,
                 backoff_base_s=0.1, backoff_cap_s=0.5, max_attempts=3, lease_s=30.0)
     worker = run.worker(0, **over)
-    t, out = _run_in_thread(worker)
-    t.join(timeout=80)
-    finished = not t.is_alive()
-    _stop(worker, t)
-    stats = fleet.servers[0].stats()
-    figures = (f"{mode}: finished={finished}, handoffs={worker.stats.handoffs}, "
-               f"rows_discarded={worker.stats.rows_discarded}, generation requests={stats['generation_requests']}, "
-               f"rejected queue full={stats['rejected_queue_full']}, error rows={worker.stats.errors}")
-    print(figures)
+    finished, out, stats, figures = _run_busy(fleet, worker, mode)
     assert stats["rejected_queue_full"] >= 1, "the server really shed load"
     assert finished and "result" in out, f"the run finishes ({figures}; {out.get('error')!r})"
     assert worker.stats.handoffs == 0, figures
@@ -209,15 +188,7 @@ def test_a_hand_off_keeps_the_generations_finishing_in_flight(s3_client: Any, bu
     run = Run(s3_client, bucket, fleet.urls, n=16, save_every=8)
     worker = run.worker(0, engine="openai", concurrency=7, handoff_after_s=1.0, backoff_base_s=0.1,
                         backoff_cap_s=0.5, max_attempts=3, lease_s=30.0)
-    t, out = _run_in_thread(worker)
-    t.join(timeout=80)
-    finished = not t.is_alive()
-    _stop(worker, t)
-    stats = fleet.servers[0].stats()
-    figures = (f"no load endpoint: finished={finished}, handoffs={worker.stats.handoffs}, "
-               f"rows_discarded={worker.stats.rows_discarded}, generation requests={stats['generation_requests']}, "
-               f"rejected queue full={stats['rejected_queue_full']}, error rows={worker.stats.errors}")
-    print(figures)
+    finished, out, stats, figures = _run_busy(fleet, worker, "no load endpoint")
     assert stats["rejected_queue_full"] >= 1, "the server really shed load"
     assert finished and "result" in out, f"the run finishes ({figures}; {out.get('error')!r})"
     assert worker.stats.rows_discarded == 0, figures
