@@ -481,16 +481,23 @@ class LeaseKeeper:
                 return
 
 
+#: The longest time between two renewals of a claim, whatever the lease. A task's own retry waits one
+#: renewal period for its earlier try's claims (`quiet_after_s`), so the period, not the lease, bounds
+#: how long a retry after a SIGKILL waits; renewing a claim every 15 s costs one conditional PUT.
+RENEW_EVERY_MAX_S = 15.0
+
+
 def renew_every_s(lease_s: float) -> float:
-    """How often a live worker renews each of its claims (LeaseKeeper)."""
-    return max(0.25, lease_s / 4)
+    """How often a live worker renews each of its claims (LeaseKeeper): a quarter of the lease, at
+    most RENEW_EVERY_MAX_S."""
+    return max(0.25, min(lease_s / 4, RENEW_EVERY_MAX_S))
 
 
 def quiet_after_s(lease_s: float) -> float:
     """A claim not renewed for this long is not being renewed by a live worker: one renewal period,
     the renewer's poll (half a period, at most 1 s) and 1 s for S3's one-second Last-Modified. A
     retry waits this long for its earlier try's claims (a SIGKILLed try stops renewing at once, a
-    still-running one keeps renewing and keeps its chunks): 47 s with the default 180 s lease."""
+    still-running one keeps renewing and keeps its chunks): 17 s for any lease of 60 s or more."""
     every = renew_every_s(lease_s)
     return every + min(1.0, every / 2) + 1.0
 
