@@ -197,3 +197,37 @@ def test_a_hand_off_keeps_the_generations_finishing_in_flight(s3_client: Any, bu
     report = run_validation(run.s3, run.cfg.output_uri, thresholds=Thresholds(max_error_rate=1.0))
     assert report["missing"] == 0 and report["duplicates"] == 0 and report["prompts"] == 16
     assert report["completions"] + report["errors"] == 16
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_the_breaker_judges_keeps_none_of_the_suspects_error_rows(
+        s3_client: Any, bucket: str, sim_fleet: Any) -> None:
+    """While the breaker judges a server (its permanent errors may be its own fault), a stop must not
+    commit or save those error rows: the judgement is slow here (the server-info answer the context
+    check reads comes 8 s late), and the stop comes while it runs. Before the fix the stop committed
+    the complete chunk of the suspect's ContextLengthExceeded rows."""
+    from dflash_pipeline.dev.sim import slowprobe
+
+    run, fleet = _unservable_run(s3_client, bucket, sim_fleet, 1)
+    slowprobe.set_info_delay(fleet.servers[0], 8.0)  # after preflight: only the breaker's check waits
+    worker = run.worker(0)
+    t, out = _run_in_thread(worker)
+    try:
+        deadline = time.monotonic() + 60
+        while not worker.breaker.deciding:
+            assert time.monotonic() < deadline and t.is_alive(), f"the breaker never judged: {out}"
+            time.sleep(0.05)
+        worker.request_stop()
+        t.join(timeout=15)
+        assert not t.is_alive(), "the stop did not end the task"
+    finally:
+        slowprobe.set_info_delay(fleet.servers[0], 0.0)
+        _stop(worker, t)
+    kept = []
+    for prefix in (run.layout.completions_prefix, run.layout.partials_prefix):
+        for obj in run.store.list(prefix):
+            got = run.store.get(obj.key)
+            if got is not None:
+                from dflash_pipeline.dataset.records import decode_part
+                kept += [r for r in decode_part(got[0]).to_pylist() if r.get("error_class")]
+    assert not kept, f"{len(kept)} error rows of the suspect server were kept: {sorted({r['id'] for r in kept})[:5]}"

@@ -25,13 +25,27 @@ _lock = threading.Lock()
 _delays: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()  # SimServer -> seconds
 
 
+#: The server-info endpoints (what a breaker's context probe or preflight reads).
+INFO_PATHS = frozenset({"/get_server_info", "/server_info", "/v1/models"})
+_info_delays: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()  # SimServer -> seconds
+
+
 def set_probe_delay(sim: Any, delay_s: float) -> None:
     """Every load probe `sim` receives from now on waits `delay_s` seconds first (0: none)."""
+    _set(_delays, sim, delay_s)
+
+
+def set_info_delay(sim: Any, delay_s: float) -> None:
+    """Every server-info request `sim` receives from now on waits `delay_s` seconds first (0: none)."""
+    _set(_info_delays, sim, delay_s)
+
+
+def _set(table: weakref.WeakKeyDictionary[Any, float], sim: Any, delay_s: float) -> None:
     with _lock:
         if delay_s > 0:
-            _delays[sim] = float(delay_s)
+            table[sim] = float(delay_s)
         else:
-            _delays.pop(sim, None)
+            table.pop(sim, None)
 
 
 def probe_delay(sim: Any) -> float:
@@ -43,5 +57,10 @@ def hold(sim: Any, path: str) -> None:
     """The server.py hook: called by a handler thread before it handles `path`."""
     if path in PROBE_PATHS:
         delay = probe_delay(sim)
-        if delay > 0:
-            time.sleep(delay)
+    elif path in INFO_PATHS:
+        with _lock:
+            delay = _info_delays.get(sim, 0.0)
+    else:
+        return
+    if delay > 0:
+        time.sleep(delay)

@@ -153,7 +153,11 @@ class Closer:
             logger.info("stop of worker %s took %.2fs (grace %.1fs)", self.settings.worker,
                         time.monotonic() - self.stop.t, self.settings.stop_grace_s)
 
-    def give_up(self, keep_errors: bool = True) -> None:
+    def give_up(self, keep_errors: bool = True, finish_complete: bool = True) -> None:
+        """`keep_errors` False (the server is broken, or the breaker is still judging it): its
+        permanent error rows are not saved; `finish_complete` False (the breaker is judging): complete
+        chunks are not committed but handed back like open ones, since their error rows may be the
+        server's fault, not the prompts'."""
         s = self.settings
         started = time.monotonic()
         grace = s.stop_grace_s if self.stop.requested else max(s.stop_grace_s, 30.0)
@@ -163,7 +167,7 @@ class Closer:
 
         self.claimer.stop()
         self.claimer.join(timeout_s=min(0.5, grace / 6, deadline() - time.monotonic()))
-        for chunk in self.ledger.open_chunks():
+        for chunk in self.ledger.open_chunks() if finish_complete else []:
             if chunk.complete and not chunk.dropped and chunk.lease is not None \
                     and chunk.lease.state in (State.OPEN, State.REPAIRING):
                 self._finish_chunk(chunk)

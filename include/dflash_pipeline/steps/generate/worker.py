@@ -363,7 +363,10 @@ class Worker:
             if chunk.dropped or chunk.base_rows is not None or len(chunk.results) <= chunk.checkpointed \
                     or chunk.lease is None or chunk.lease.state is not State.OPEN:
                 continue
-            rows = [r for r in chunk.results.values() if not r.get("error_class") or not r.get("retryable")]
+            # Permanent errors are results for good, unless the breaker is judging this server.
+            keep_errors = not self.breaker.deciding
+            rows = [r for r in chunk.results.values()
+                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
             if not rows:
                 continue
             chunk.checkpointed = len(chunk.results)
@@ -457,7 +460,11 @@ class Worker:
             self.claimer.stop()
             self.concurrency.stop(timeout_s=0.0)  # asked to end now, waited for after the stop's work
             pool.close()
-            self.closer.give_up(keep_errors=not isinstance(exc, ServerBroken))
+            # While the breaker judges this server, its permanent errors may be its own fault: they
+            # are neither committed nor saved (breaker.py); the prompts are redone by whoever takes them.
+            judging = self.breaker.deciding
+            self.closer.give_up(keep_errors=not isinstance(exc, ServerBroken) and not judging,
+                                finish_complete=not judging)
             self._io.close()
             self.concurrency.stop(timeout_s=self._pilot_join_s())
             self.closer.log_stop()
