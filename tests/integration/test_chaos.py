@@ -49,7 +49,10 @@ def test_random_fault_schedule_ends_exact(i: int, moto_server: Any, bucket: str,
     assert not r.protocol_errors, f"seed {seed}: {r.protocol_errors} (logs {r.log_dir})"
     assert not r.failed_tries and not r.thread_errors, \
         f"seed {seed}: {r.failed_tries_detail} {r.thread_errors} (logs {r.log_dir})"
-    assert r.stops, f"seed {seed}: no stop was measured (every schedule has one) (logs {r.log_dir})"
+    # Every schedule has a stop; it goes unmeasured only when a SIGTERM came before the child's handler
+    # or a SIGKILL pre-empted it (both counted by the runner).
+    assert r.stops or r.early_sigterms or r.stops_preempted, \
+        f"seed {seed}: no stop was measured and nothing pre-empted one (logs {r.log_dir})"
     assert (r.missing, r.duplicated, r.unfinished_stored, r.claims_left) == (0, 0, 0, 0), f"seed {seed}: {r}"
     assert r.rows == schedule.n_prompts, f"seed {seed}: {r}"
     assert not r.liveness_problems, f"seed {seed}: unservable prompts not stored as their error rows: {r.liveness_problems}"

@@ -234,6 +234,9 @@ class ChaosResult:
     failed_tries_detail: list[str] = field(default_factory=list)
     #: SIGTERMs that reached a process before its stop handler was in (they end it; not measured).
     early_sigterms: int = 0
+    #: Stops a SIGKILL pre-empted (not measured): a try killed after its stop began, or, with
+    #: `stop_first`, a first try killed before it reached the transition where it stops itself.
+    stops_preempted: int = 0
     #: Errors a worker's threads logged ("the ... thread failed"), a schedule failure.
     thread_errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -442,6 +445,9 @@ def run_schedule(schedule: Schedule, *, s3_endpoint: str, s3_port: int, bucket: 
                                 result.early_sigterms += 1
                             p.send(signal.SIGTERM)
                         else:
+                            p.scan_log()
+                            if p.stop_t is not None or (sc.transitions.stop_first and p.try_number == 1):
+                                result.stops_preempted += 1
                             p.killed = True
                             p.send(signal.SIGKILL)
                 for i, p in list(procs.items()):
