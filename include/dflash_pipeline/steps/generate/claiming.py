@@ -123,7 +123,7 @@ class Claimer:
             if got is not None and claim_doc(got[0]).get("owner") == self.settings.owner:
                 own.add(c)
         if own:
-            logger.info("%d chunk(s) claimed by an earlier try of this task: taken back once not renewed for "
+            logger.info("%d chunk(s) claimed by an earlier try of this task: taking back each once not renewed for "
                         "%.1fs: %s", len(own), quiet_after_s(self.settings.lease_s), sorted(own))
         return own
 
