@@ -33,17 +33,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
+from airflow.sdk import TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import EVAL_PARAM_SCHEMAS
-from dflash_pipeline.tasks import eval_asset
+from dflash_pipeline.tasks import eval_asset, params_from
 
-PARAMS = {
-    name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
-    if "default" in schema
-    else Param(**schema)
-    for name, schema in EVAL_PARAM_SCHEMAS.items()
-}
+PARAMS = params_from(EVAL_PARAM_SCHEMAS)
 
 
 @dag(

@@ -17,18 +17,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import Param, TriggerRule, dag, get_current_context, task
+from airflow.sdk import TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import PARAM_SCHEMAS
-from dflash_pipeline.tasks import completions_asset
+from dflash_pipeline.tasks import completions_asset, params_from
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
-PARAMS = {
-    name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
-    if "default" in schema
-    else Param(**schema)
-    for name, schema in PARAM_SCHEMAS.items()
-}
+PARAMS = params_from(PARAM_SCHEMAS)
 
 
 @dag(

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk import dag, get_current_context, task
 
 from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS
-from dflash_pipeline.tasks import completions_asset, tokenized_asset
+from dflash_pipeline.tasks import completions_asset, params_from, tokenized_asset
 
-PARAMS = {
-    name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
-    for name, schema in TOKENIZE_PARAM_SCHEMAS.items()
-}
+PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS)
 
 
 @dag(

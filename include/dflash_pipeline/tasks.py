@@ -43,6 +43,16 @@ def _fail_fast() -> Iterator[None]:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
+def params_from(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A DAG's `Param`s from the package's JSON schemas (one source for the UI form, the CLI and
+    the tests); a schema without a default is a required param."""
+    from airflow.sdk import Param
+
+    return {name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
+            if "default" in schema else Param(**schema)
+            for name, schema in schemas.items()}
+
+
 def completions_asset() -> Any:
     """The hand-off Asset (steps.handoff names it; the Asset object is Airflow's, so it is built here)."""
     from airflow.sdk import Asset
