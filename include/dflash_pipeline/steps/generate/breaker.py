@@ -31,9 +31,9 @@ The judgement runs on one daemon thread (HTTP, bounded timeouts: the canary at m
 context probe 10 s), which writes only `_verdict` (an exception in it is an "undecided" verdict);
 main never waits for it, so a stop is never delayed by it. What main does with the verdict is
 verdicts.py. A kill takes the thread with it (nothing committed while deciding, nothing saved
-here). A stop or an exception on main while deciding ends the run through `Closer.give_up`,
-which does not ask the breaker: it commits the complete chunks it holds and hands back the
-others' permanent error rows like any stop's (the hold above covers a running worker only).
+here). A stop or an exception on main while deciding ends the run through `Closer.give_up` with
+`keep_errors` and `finish_complete` off (worker.py asks `deciding`): no chunk is committed and the
+suspect's permanent error rows are neither handed back nor checkpointed; their prompts are redone.
 """
 
 from __future__ import annotations
