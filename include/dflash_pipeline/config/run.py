@@ -136,6 +136,16 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "max_num_seqs (GPUs of 70 GiB and more).",
         "section": SECTION_SERVERS,
     },
+    "require_token_exact": {
+        "type": "boolean",
+        "default": False,
+        "description": "Refuse the run at preflight, before any generation, when a server's proof answer "
+        "carries no engine token ids (SGLang < 0.5.17, vLLM < 0.10.2, generic servers): its rows would be "
+        "re-encoded from text at tokenize (checked against the prompt's ids where given, but not the tokens "
+        "the model produced). False = run, with a warning naming those servers in the log, the manifest "
+        "and the progress page.",
+        "section": SECTION_SERVERS,
+    },
     "request_timeout_s": {
         "type": "number",
         "default": 300,
@@ -347,6 +357,7 @@ class RunConfig:
     limit: int | None = None
     max_rejects: int = 0
     accept_pin_changes: bool = False
+    require_token_exact: bool = False
     aws_conn_id: str = "aws_default"
     max_attempts: int = 5
     retry_failed_rows: str = "transient"
@@ -423,6 +434,7 @@ class RunConfig:
             limit=get("limit"),
             max_rejects=int(get("max_rejects")),
             accept_pin_changes=bool(get("accept_pin_changes")),
+            require_token_exact=bool(get("require_token_exact")),
             aws_conn_id=get("aws_conn_id"),
             max_attempts=int(get("max_attempts")),
             retry_failed_rows=str(get("retry_failed_rows")),

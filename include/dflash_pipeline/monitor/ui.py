@@ -316,6 +316,36 @@ def servers_table(p: Mapping[str, Any]) -> str:
                    "parts", "tries", "updated"], rows, cls="servers", numeric=(3, 5, 6, 7))
 
 
+def abilities_section(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Each server's abilities found at preflight (manifest `servers[].abilities`)."""
+    if not rows:
+        return ""
+
+    def yes_no(ok: Any, text: Any) -> str:
+        cls = "" if ok else ' class="err"'
+        return f"<span{cls}>{_e(text)}</span>"
+
+    body = []
+    for r in rows:
+        ids = r.get("token_ids")
+        body.append([
+            f'<span class="mono">{_e(r.get("server"))}</span>',
+            _e(" ".join(str(x) for x in (r.get("engine"), r.get("version")) if x) or "\u2014"),
+            (yes_no(r.get("token_exact"), ids or "\u2014")
+             + (f'<br><span class="muted mono">{_e(r["token_ids_via"])}</span>' if r.get("token_ids_via") else "")),
+            yes_no(r.get("reasoning") in ("separate", "not checked"), r.get("reasoning") or "\u2014"),
+            _e(r.get("speculative") or "no")
+            + (f'<br><span class="muted mono">{_e(r["spec_stats"])}</span>' if r.get("spec_stats")
+               else ('<br><span class="muted">no per-request figures</span>' if r.get("speculative") else "")),
+            _n(r.get("slots")) + (f'<br><span class="muted">{_e(r["slots_source"])}</span>'
+                                  if r.get("slots") is None and r.get("slots_source") else ""),
+            _e(r.get("note") or ""),
+        ])
+    return "<h2>Server abilities (preflight)</h2>" + _table(
+        ["server", "engine", "token ids", "reasoning", "speculative", "slots", "note"], body,
+        cls="abilities", numeric=(5,))
+
+
 def rate_kpi(p: Mapping[str, Any], run_state: str | None) -> tuple[str, str]:
     """The fleet's recent rate while running; once finished, its mean from first start to last report."""
     mean = (p.get("series") or {}).get("mean_output_tokens_per_s")
@@ -428,6 +458,7 @@ def run_main(view: Mapping[str, Any]) -> str:
         parts.append(f'<p class="err">{_e(msg)}</p>')
     if view.get("progress") is not None:
         parts.append(progress_section(view["progress"], run_state))
+        parts.append(abilities_section(view.get("abilities") or []))
     else:
         parts.append('<p class="muted">No plan yet: the manifest appears when the plan task has run.</p>')
     parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url"),

@@ -70,11 +70,29 @@ def _json(store: Store, key: str) -> dict[str, Any] | None:
     return None if got is None else json.loads(got[0])
 
 
+def server_abilities_rows(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per server of the manifest: its preflight abilities (serving/abilities.py), or why
+    there are none (unreachable at preflight, or a manifest from before abilities were recorded)."""
+    rows = []
+    for entry in manifest.get("servers") or []:
+        row = {"server": entry.get("name"), **(entry.get("abilities") or {})}
+        if not entry.get("abilities"):
+            row["note"] = (f"unreachable at preflight: {entry['unreachable']}" if entry.get("unreachable")
+                           else "not recorded by this preflight")
+        rows.append(row)
+    return rows
+
+
 def collect(store: Store, layout: DatasetLayout, run_id: str, *, run_started_at: float | None,
             task_states: Mapping[str, str], now: float) -> dict[str, Any]:
     """Everything the page shows that lives in S3, already aggregated."""
-    out: dict[str, Any] = {"progress": None, "report": None, "plots": [], "warnings": []}
+    out: dict[str, Any] = {"progress": None, "report": None, "plots": [], "warnings": [], "abilities": []}
     manifest = _json(store, layout.manifest_key)
+    if manifest is not None:
+        out["abilities"] = server_abilities_rows(manifest)
+        exact_warning = ((manifest.get("runs") or {}).get(run_id) or {}).get("token_exact_warning")
+        if exact_warning:
+            out["warnings"].append(exact_warning)
     prefix = layout.run_key(run_id, "progress/")
     docs: list[dict[str, Any]] = []
     for obj in store.list(prefix):
@@ -194,6 +212,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
                                 f"{type(exc).__name__}: {exc}")
         return view
     view["progress"] = data["progress"]
+    view["abilities"] = data["abilities"]
     view["report"] = data["report"]
     view["warnings"] += data["warnings"]
     if data["report"] is not None:

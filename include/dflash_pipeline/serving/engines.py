@@ -109,6 +109,17 @@ def token_ids_of(data: dict[str, Any], choice: dict[str, Any]) -> tuple[list[int
     return prompt, output
 
 
+def token_id_sources(data: dict[str, Any], choice: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Where `token_ids_of` found the prompt ids and the generated ids of an answer (e.g.
+    `prompt_token_ids` top-level for vLLM, `choices[].prompt_token_ids` for SGLang), None where it found
+    none: the evidence preflight records of how a server returns token ids (serving/abilities.py)."""
+    prompt = "prompt_token_ids" if _ints(data.get("prompt_token_ids")) is not None else (
+        "choices[].prompt_token_ids" if _ints(choice.get("prompt_token_ids")) is not None else None)
+    output = "choices[].response_token_ids" if _ints(choice.get("response_token_ids")) is not None else (
+        "choices[].token_ids" if _ints(choice.get("token_ids")) is not None else None)
+    return prompt, output
+
+
 def adapter(engine: Engine | str | None) -> EngineAdapter:
     return ADAPTERS[engine if isinstance(engine, Engine) else Engine.parse(engine)]
 

@@ -34,6 +34,7 @@ from dflash_pipeline.serving.engines import (
     error_message,
     is_error_body,
     reasoning_of,
+    token_id_sources,
     token_ids_of,
 )
 from dflash_pipeline.serving.specstats import SpecStats
@@ -208,6 +209,9 @@ class Completion:
     output_token_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     # The request's speculative-decoding statistics when the server gave them (serving/specwire.py).
     spec: SpecStats | None = None
+    # Where the answer carried its prompt ids and generated ids (engines.token_id_sources), None where
+    # it had none: what preflight records as the server's token-id mechanism.
+    token_id_sources: tuple[str | None, str | None] = field(default=(None, None), compare=False)
 
 
 def parse_chat_response(data: Any) -> Completion:
@@ -247,6 +251,7 @@ def parse_chat_response(data: Any) -> Completion:
         prompt_token_ids=None if prompt_ids is None else np.asarray(prompt_ids, dtype=np.int32),
         output_token_ids=None if output_ids is None else np.asarray(output_ids, dtype=np.int32),
         spec=spec_stats_of(data),
+        token_id_sources=token_id_sources(data, choice) if isinstance(choice, dict) else (None, None),
     )
 
 

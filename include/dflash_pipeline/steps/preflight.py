@@ -1,5 +1,8 @@
 """Preflight: every server answers, serves the pinned model, tells us how many slots it has, and
-proves it can do the job with one chat request.
+proves it can do the job with one chat request. Each server's abilities (token ids, separate
+reasoning, speculative statistics, slots; serving/abilities.py) are recorded in its manifest entry
+as `abilities`; servers without engine token ids are named in a warning, or refused with
+`require_token_exact`.
 
 Configuration problems (wrong API key, wrong model, servers that disagree) fail here, before any
 generation request is sent. A server that is merely down is reported and left to its generate task,
@@ -19,6 +22,7 @@ from dflash_pipeline.config import ConfigError, RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.serving.abilities import server_abilities, token_exact_warning
 from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency, probe_server
 from dflash_pipeline.serving.sglang import (
     RequestFailure,
@@ -123,6 +127,9 @@ def prove_server(
         # The proof's speculative statistics (None when the answer had none): they confirm
         # where this server's answers carry them (spec_manifest).
         "spec": completion.spec.to_columns() if completion.spec is not None else None,
+        # Where the answer carried token ids (None: it had none): the evidence behind the server's
+        # `abilities.token_ids` (serving/abilities.py).
+        "token_ids": {"prompt": completion.token_id_sources[0], "output": completion.token_id_sources[1]},
     }
 
 
@@ -270,20 +277,35 @@ def run_preflight(
         else:
             logger.info("server %s: proof request ok: %s", info.name, proofs[info.name])
     speculative = {i.name: spec_manifest(i, proofs.get(i.name)) for i in infos}
+    abilities = {i.name: server_abilities(i.to_dict(), proofs[i.name], speculative.get(i.name),
+                                          cfg.sampling.enable_thinking)
+                 for i in infos if i.name in proofs}
+    for name, found in abilities.items():
+        logger.info("server %s abilities: %s", name, found)
+        if found.get("note"):
+            logger.warning("server %s: %s", name, found["note"])
+    exact_warning = token_exact_warning(abilities)
+    if exact_warning and cfg.require_token_exact:
+        refused.append(f"require_token_exact: {exact_warning}")
     context_refusals, context_warning = judge_context(proofs, cfg.sampling.max_tokens, longest)
     refused += context_refusals
     if refused:
         raise ConfigError("; ".join(refused))
     if context_warning:
         logger.warning("%s", context_warning)
+    if exact_warning:
+        logger.warning("%s", exact_warning)
 
     def record_proofs(manifest: dict[str, Any]) -> None:
         if context_warning:
             manifest.setdefault("runs", {}).setdefault(run_id, {})["context_warning"] = context_warning
+        if exact_warning:
+            manifest.setdefault("runs", {}).setdefault(run_id, {})["token_exact_warning"] = exact_warning
         for entry in manifest.get("servers", []):
             if entry.get("name") in proofs:
                 entry["proof"] = proofs[entry["name"]]
                 entry["speculative"] = speculative.get(entry["name"])
+                entry["abilities"] = abilities.get(entry["name"])
             elif any(s.name == entry.get("name") for s, _ in down) and "unreachable" not in entry:
                 entry["unreachable"] = next(m for s, m in down if s.name == entry["name"])
 

@@ -902,12 +902,10 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
             "finish_reason": completion.finish_reason,
             "matched_stop": completion.matched_stop,
         }
-        if generated is not None and (self._return_token_ids or self._return_prompt_token_ids):
-            # SGLang >= 0.5.18 (serving_chat.py): the choice carries the prompt ids, and with
-            # return_token_ids the raw generated ids (stop token included) as response_token_ids.
-            choice["prompt_token_ids"] = generated.prompt_ids
-            if self._return_token_ids:
-                choice["response_token_ids"] = generated.output_ids
+        if generated is not None:
+            choice.update(sglang_token_id_fields(config.spec_sglang_version or SIM_VERSION,
+                                                 self._return_prompt_token_ids, self._return_token_ids,
+                                                 generated.prompt_ids, generated.output_ids))
         answer = {
             "id": uuid.uuid4().hex,
             "object": "chat.completion",
@@ -992,6 +990,22 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
         self._return_prompt_token_ids = supported and obj.get("return_prompt_token_ids") is True
         self._spec_ask = {k: obj.get(k) for k in ("return_meta_info", "return_spec_tokens_details")}
         return messages, max_tokens, enable_thinking, separate_reasoning, obj.get("model")
+
+
+def sglang_token_id_fields(version: str, want_prompt: bool, want_output: bool, prompt_ids: list[int],
+                           output_ids: list[int]) -> dict[str, Any]:
+    """The token-id fields SGLang `version` puts in a chat choice (docs/engines.md, read in the wheels):
+    < 0.5.13 none (the request fields are unknown and dropped); 0.5.13-0.5.16 `prompt_token_ids` only
+    (`return_token_ids` unknown); 0.5.17 `prompt_token_ids` and `token_ids`; >= 0.5.18
+    `prompt_token_ids` and `response_token_ids` (the raw generated ids, stop token included)."""
+    v = spec_sglang._version(version)
+    out: dict[str, Any] = {}
+    if v < (0, 5, 13) or not (want_prompt or (want_output and v >= (0, 5, 17))):
+        return out
+    out["prompt_token_ids"] = prompt_ids
+    if want_output and v >= (0, 5, 17):
+        out["token_ids" if v < (0, 5, 18) else "response_token_ids"] = output_ids
+    return out
 
 
 def _token_completion(g: tokens.Generated, parser_on: bool) -> lengths.Completion:
