@@ -264,3 +264,34 @@ def test_s3_connection_points_at_minio(services: dict[str, Any]) -> None:
     assert conn["conn_type"] == "aws"
     assert conn["extra"]["endpoint_url"] == "http://minio:9000" and "9000:9000" in minio["ports"]
     assert (conn["login"], conn["password"]) == (minio["environment"]["MINIO_ROOT_USER"], minio["environment"]["MINIO_ROOT_PASSWORD"])
+
+
+def sglang_abilities(tag: str) -> dict[str, Any]:
+    """What an SGLang release gives this pipeline, by the code's own tables: token ids
+    (serving/abilities.py), per-request speculative statistics (serving/specwire.py)."""
+    from dflash_pipeline.serving.abilities import IDS_BOTH, token_ids_expected
+    from dflash_pipeline.serving.specwire import parse_version, sglang_spec_config
+
+    version = tag.split("-", 1)[0]  # v0.5.19-cu129 -> v0.5.19
+    assert parse_version(version) is not None, f"unreadable SGLang tag {tag!r}"
+    spec = sglang_spec_config({"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 4, "version": version})
+    return {"token_ids": token_ids_expected("sglang", version) == IDS_BOTH,
+            "spec_stats": spec is not None and spec.stats_source is not None}
+
+
+@pytest.mark.parametrize(("tag", "ok"), [("v0.5.14", False), ("v0.5.16", False), ("v0.5.17", True),
+                                         ("v0.5.19-cu129", True), ("v0.5.23", True)])
+def test_sglang_ability_check_tells_releases_apart(tag: str, ok: bool) -> None:
+    assert all(sglang_abilities(tag).values()) is ok
+
+
+def test_sglang_pin_has_every_ability_we_use(services: dict[str, Any]) -> None:
+    """The gpu profile's SGLang release returns token ids and per-request speculative statistics,
+    and runs the reasoning parser (an older pin makes rows fall back to re-encoding silently)."""
+    for name, svc in services.items():
+        repo, _, tag = svc["image"].partition(":")
+        if repo != "lmsysorg/sglang":
+            continue
+        missing = [k for k, ok in sglang_abilities(tag).items() if not ok]
+        assert not missing, f"{name}: {svc['image']} lacks {missing} (docs/engines.md)"
+        assert "--reasoning-parser" in _argv(svc["command"]), name
