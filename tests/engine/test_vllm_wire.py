@@ -387,3 +387,38 @@ def test_render_with_scale_out(vllm_scale_out_server: Any) -> None:
         params = rendered["sampling_params"]
         assert "top_k" not in body and params["top_k"] == 20
         assert (params["temperature"], params["top_p"], params["seed"], params["max_tokens"]) == (0.6, 0.95, body["seed"], 32)
+
+
+# -------------------------------------------------------------------------------- preflight
+
+
+def test_preflight_abilities(target: Target, s3_client: Any, bucket: str) -> None:
+    """Preflight's abilities of a vLLM 0.32 server, from what it reports and its proof answer
+    (serving/abilities.py): token ids in vLLM's fields (token-exact), reasoning split by its parser,
+    no speculation, slots not published. require_token_exact lets it through."""
+    from dflash_pipeline.config import RunConfig
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.steps.plan import run_plan
+    from dflash_pipeline.steps.preflight import run_preflight
+
+    tag = f"abilities-{target.name}"
+    s3_client.put_object(Bucket=bucket, Key=f"{tag}/p.jsonl",
+                         Body=b'{"id": "a", "prompt": "What is 2 + 2?"}\n{"id": "b", "prompt": "Name a prime."}')
+    cfg = RunConfig.from_params({"prompts_uri": f"s3://{bucket}/{tag}/p.jsonl", "output_uri": f"s3://{bucket}/{tag}/ds",
+                                 "servers": [target.base_url], "max_tokens": 256, "require_token_exact": True})
+    run_plan(s3_client, cfg, f"{tag}-run1")
+    (out,) = run_preflight(s3_client, cfg, [target.spec], f"{tag}-run1")
+    assert out["healthy"] and out["engine"] == "vllm"
+    layout = DatasetLayout.from_uri(cfg.output_uri)
+    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.manifest_key)["Body"].read())
+    (entry,) = manifest["servers"]
+    found = entry["abilities"]
+    assert re.match(r"^0\.32\.\d+", found["version"]), found
+    assert {k: found[k] for k in ("engine", "token_ids", "token_ids_via", "token_exact", "token_ids_expected",
+                                  "reasoning", "speculative", "spec_stats", "slots", "note")} == {
+        "engine": "vllm", "token_ids": "prompt+output", "token_ids_via": "prompt_token_ids + choices[].token_ids",
+        "token_exact": True, "token_ids_expected": "prompt+output", "reasoning": "separate", "speculative": None,
+        "spec_stats": None, "slots": None, "note": None}
+    assert "/metrics" in found["slots_source"]
+    assert entry["proof"]["token_ids"] == {"prompt": "prompt_token_ids", "output": "choices[].token_ids"}
+    assert "token_exact_warning" not in manifest["runs"][f"{tag}-run1"]
