@@ -53,7 +53,7 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
             if chunk.dropped or stop.is_set():
                 return None  # stopped or dropped: not a result, never an error row
             try:
-                with watch.waiter(s.sampling.max_tokens) as wait:
+                with watch.waiter(int(body["max_tokens"])) as wait:
                     completion, latency = chat_once(session, s.server, body, s.request_timeout_s, wait)
                 watch.record(completion.completion_tokens, latency)
                 out.done_t = time.monotonic()
