@@ -72,24 +72,25 @@ def refusal(obj: dict[str, Any], engine: str) -> str | None:
                    f"[input_value={value!r}]"
     if engine != "vllm":
         return None
-    # vLLM SamplingParams._verify_args (a VLLMValidationError: 400 with "(parameter=P, value=V)").
+    # vLLM 0.32 SamplingParams._verify_args (VLLMValidationError, 400; these name no parameter, so the
+    # message has no "(parameter=P, value=V)" tail and the body's `param` is null).
     checks = (
-        ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), -1 (disable), or at least 1, got {v}."),
-        ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
         ("presence_penalty", lambda v: -2 <= v <= 2, "presence_penalty must be in [-2, 2], got {v}."),
         ("frequency_penalty", lambda v: -2 <= v <= 2, "frequency_penalty must be in [-2, 2], got {v}."),
         ("repetition_penalty", lambda v: v > 0, "repetition_penalty must be greater than zero, got {v}."),
+        ("top_k", lambda v: v >= -1, "top_k must be 0 (disable), or at least 1, got {v}."),
+        ("min_p", lambda v: 0 <= v <= 1, "min_p must be in [0, 1], got {v}."),
         ("min_tokens", lambda v: v >= 0, "min_tokens must be greater than or equal to 0, got {v}."),
     )
     for name, ok, msg in checks:
         value = obj.get(name)
         if value is not None and not ok(value):
-            return msg.format(v=value) + f" (parameter={name}, value={value})"
+            return msg.format(v=float(value) if name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                         "min_p") else value)
     max_tokens = obj.get("max_completion_tokens") or obj.get("max_tokens")
     min_tokens = obj.get("min_tokens")
     if _is_int(min_tokens) and _is_int(max_tokens) and min_tokens > max_tokens:
-        return (f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}. "
-                f"(parameter=min_tokens, value={min_tokens})")
+        return f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
     return None
 
 
