@@ -226,3 +226,11 @@ def test_check_overrides_copies() -> None:
     with pytest.raises(SamplingError):
         check_overrides({"top_p": 0}, "x")
     assert json.dumps(out)
+
+
+def test_a_held_out_row_keeps_its_mix() -> None:
+    from dflash_pipeline.dataset.heldout import heldout_row
+
+    p = normalize_row({"id": "h1", "prompt": "hi", "enable_thinking": False, "sampling": {"top_k": 4}}, 1)
+    back = normalize_row(json.loads(json.dumps(heldout_row(p))), 1)
+    assert back == p
