@@ -234,3 +234,12 @@ def test_a_held_out_row_keeps_its_mix() -> None:
     p = normalize_row({"id": "h1", "prompt": "hi", "enable_thinking": False, "sampling": {"top_k": 4}}, 1)
     back = normalize_row(json.loads(json.dumps(heldout_row(p))), 1)
     assert back == p
+
+
+def test_min_tokens_above_max_tokens_is_refused_at_config_time() -> None:
+    with pytest.raises(ConfigError, match="min_tokens 5000 is more than max_tokens 4096"):
+        RunConfig.from_params({**BASE, "sampling_extra": {"min_tokens": 5000}})
+    with pytest.raises(ConfigError, match=r"sampling_ladder\[1\]: min_tokens 64 is more than max_tokens 32"):
+        RunConfig.from_params({**BASE, "sampling_extra": {"min_tokens": 64},
+                               "sampling_ladder": [{}, {"max_tokens": 32}]})
+    RunConfig.from_params({**BASE, "sampling_extra": {"min_tokens": 64}, "sampling_ladder": [{"max_tokens": 64}]})

@@ -457,6 +457,12 @@ class RunConfig:
                            for i, e in enumerate(get("sampling_ladder") or []))
         except SamplingError as exc:
             raise ConfigError(str(exc)) from exc
+        for i, entry in enumerate(ladder or ({},)):
+            merged = {"max_tokens": get("max_tokens"), **extra, **entry}
+            if int(merged.get("min_tokens") or 0) > int(merged["max_tokens"]):
+                where = f"sampling_ladder[{i}]" if ladder else "sampling_extra"
+                raise ConfigError(f"{where}: min_tokens {merged['min_tokens']} is more than max_tokens "
+                                  f"{merged['max_tokens']}: the engines refuse every such request")
         fraction = get("thinking_fraction")
 
         sampling = Sampling(
