@@ -243,3 +243,10 @@ def test_min_tokens_above_max_tokens_is_refused_at_config_time() -> None:
         RunConfig.from_params({**BASE, "sampling_extra": {"min_tokens": 64},
                                "sampling_ladder": [{}, {"max_tokens": 32}]})
     RunConfig.from_params({**BASE, "sampling_extra": {"min_tokens": 64}, "sampling_ladder": [{"max_tokens": 64}]})
+
+
+def test_largest_max_tokens_sees_the_ladder() -> None:
+    assert RunConfig.from_params(BASE).sampling.largest_max_tokens() == 4096
+    cfg = RunConfig.from_params({**BASE, "max_tokens": 1024, "sampling_ladder": [{}, {"max_tokens": 8192}]})
+    assert cfg.sampling.largest_max_tokens() == 8192
+    assert RunConfig.from_params({**BASE, "sampling_extra": {"max_tokens": 2000}}).sampling.largest_max_tokens() == 2000

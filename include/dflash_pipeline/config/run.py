@@ -378,6 +378,11 @@ class Sampling:
         """The run's sampling fields of a request before per-sample and per-row overrides."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, **self.extra}
 
+    def largest_max_tokens(self) -> int:
+        """The largest max_tokens a request of the run may carry (its ladder may raise it per sample)."""
+        return max(int(e.get("max_tokens", self.extra.get("max_tokens", self.max_tokens)))
+                   for e in (self.ladder or ({},)))
+
     def override_keys(self) -> set[str]:
         """Every sampling key the run's extras and ladder send (for preflight's per-engine check)."""
         return set(self.extra).union(*(set(e) for e in self.ladder))

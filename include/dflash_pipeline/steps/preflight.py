@@ -97,7 +97,7 @@ def prove_server(
         completion, latency = ask(messages)
         prompt_tokens = completion.prompt_tokens
         if info.context_length and prompt_tokens is not None:
-            fits = prompt_tokens + cfg.sampling.max_tokens <= info.context_length
+            fits = prompt_tokens + cfg.sampling.largest_max_tokens() <= info.context_length
     except RequestFailure as exc:
         if exc.error_class != "ContextLengthExceeded":
             raise
@@ -251,10 +251,10 @@ def run_preflight(
         raise NoServerAvailable("no server answered /health: " + "; ".join(f"{s.name}: {m}" for s, m in down))
     # A server whose context cannot hold max_tokens plus a prompt answers every request with a 400:
     # refuse it now, not after it has committed a dataset of error rows.
-    small = [i for i in infos if i.context_length is not None and i.context_length <= cfg.sampling.max_tokens]
+    small = [i for i in infos if i.context_length is not None and i.context_length <= cfg.sampling.largest_max_tokens()]
     if small:
         raise ConfigError("; ".join(
-            f"server {i.name}: context_length {i.context_length} cannot hold max_tokens {cfg.sampling.max_tokens} "
+            f"server {i.name}: context_length {i.context_length} cannot hold max_tokens {cfg.sampling.largest_max_tokens()} "
             "plus a prompt" for i in small
         ) + ": start it with a larger --context-length, or lower max_tokens")
 
@@ -300,7 +300,7 @@ def run_preflight(
         else:
             logger.info("server %s: proof request ok: %s", info.name, proofs[info.name])
     speculative = {i.name: spec_manifest(i, proofs.get(i.name)) for i in infos}
-    context_refusals, context_warning = judge_context(proofs, cfg.sampling.max_tokens, longest)
+    context_refusals, context_warning = judge_context(proofs, cfg.sampling.largest_max_tokens(), longest)
     refused += context_refusals
     if refused:
         raise ConfigError("; ".join(refused))
