@@ -11,17 +11,17 @@ import pytest
 from dflash_pipeline.config import ConfigError, RunConfig
 from dflash_pipeline.config.sampling import (
     DIALECTS,
+    SamplingError,
     ThinkingQuota,
     check_overrides,
     parse_row_mix,
-    SamplingError,
     unsupported_keys,
 )
 from dflash_pipeline.dataset.prompts import Prompt, Reject, normalize_row
 from dflash_pipeline.dataset.records import decode_inputs, decode_part, encode_inputs, encode_part
 from dflash_pipeline.dev.sim import sampling_wire
 from dflash_pipeline.serving.sglang import ServerInfo, build_chat_body, sent_sampling
-from dflash_pipeline.steps.plan import check_pins, pinned_settings, thinking_modes, PlanError
+from dflash_pipeline.steps.plan import PlanError, check_pins, pinned_settings, thinking_modes
 from dflash_pipeline.steps.preflight import refuse_sampling_keys
 
 BASE = {"prompts_uri": "s3://in-bucket/p.jsonl", "output_uri": "s3://out-bucket/ds", "servers": ["http://h:1"]}
