@@ -19,11 +19,11 @@ from typing import Any
 
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
-from dflash_pipeline.config import PARAM_SCHEMAS
+from dflash_pipeline.config import ESSENTIAL_PARAMS, PARAM_SCHEMAS
 from dflash_pipeline.tasks import completions_asset, params_from
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
-PARAMS = params_from(PARAM_SCHEMAS)
+PARAMS = params_from(PARAM_SCHEMAS, ESSENTIAL_PARAMS)
 
 
 @dag(

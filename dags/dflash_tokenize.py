@@ -20,10 +20,10 @@ from typing import Any
 
 from airflow.sdk import dag, get_current_context, task
 
-from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS
+from dflash_pipeline.config import TOKENIZE_ESSENTIAL_PARAMS, TOKENIZE_PARAM_SCHEMAS
 from dflash_pipeline.tasks import completions_asset, params_from, tokenized_asset
 
-PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS)
+PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS, TOKENIZE_ESSENTIAL_PARAMS)
 
 
 @dag(
