@@ -87,7 +87,8 @@ def test_a_newcomer_reaches_a_finished_run_and_a_tokenized_dataset(tmp_path: Pat
         assert kept.is_set(), f"the demo did not finish and keep its stack up ({elapsed:.0f} s):\n{out[-6000:]}"
         print(f"README's `{commands[-1]}` reached its end in {elapsed:.0f} s")
         assert re.search(r"Run finished: SUCCESS", out), out[-6000:]
-        assert re.search(r"Tokenized \(.*\): success, \d+ parts, [\d,]+ training rows", out), out[-6000:]
+        tokenized = re.search(r"Tokenized \(.*\): complete, (\d+) parts, ([\d,]+) training rows", out)
+        assert tokenized and int(tokenized.group(2).replace(",", "")) > 0, out[-6000:]
 
         endpoint = re.search(r"S3:\s+endpoint (http://\S+)", out).group(1)
         output = re.search(r"output\s+s3://([^/\s]+)/(\S+?)/?\s", out)
