@@ -35,10 +35,10 @@ from typing import Any
 
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
-from dflash_pipeline.config import EVAL_PARAM_SCHEMAS
+from dflash_pipeline.config import EVAL_ESSENTIAL_PARAMS, EVAL_PARAM_SCHEMAS
 from dflash_pipeline.tasks import eval_asset, params_from
 
-PARAMS = params_from(EVAL_PARAM_SCHEMAS)
+PARAMS = params_from(EVAL_PARAM_SCHEMAS, EVAL_ESSENTIAL_PARAMS)
 
 
 @dag(

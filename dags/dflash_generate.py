@@ -8,8 +8,8 @@ servers (one per GPU), writing drafter training data to S3.
 `generate` (one mapped task per server; chunks move to whichever server has free slots) →
 `validate_and_count` checks that every prompt is present exactly once and counts tokens.
 
-Rerunning into the same `output_uri` only does what is missing. Outputs and their layout are
-described in the project's README.
+Rerunning into the same `output_uri` only does what is missing. Running it: README.md; outputs and
+their layout: docs/architecture.md; every param: docs/params.md.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
-from dflash_pipeline.config import PARAM_SCHEMAS
+from dflash_pipeline.config import ESSENTIAL_PARAMS, PARAM_SCHEMAS
 from dflash_pipeline.tasks import completions_asset, params_from
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
-PARAMS = params_from(PARAM_SCHEMAS)
+PARAMS = params_from(PARAM_SCHEMAS, ESSENTIAL_PARAMS)
 
 
 @dag(

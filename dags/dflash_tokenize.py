@@ -1,17 +1,19 @@
 """
 ### dflash_tokenize
 
-Turns a validated dataset into what a drafter trainer reads: loss-masked token shards
-(`tokenized/part-NNNNNN.parquet`: `id`, `sample`, `input_ids`, `loss_mask`, `num_tokens`,
-`num_loss_tokens`, `truncated_to_max_length`) and SpecForge's conversations JSONL
-(`export/conversations/part-NNNNNN.jsonl`), one output part per completions part, exactly once.
+Turns a validated dataset into what a drafter trainer reads: one training row per generated assistant
+turn (`input_ids`, `loss_mask` on exactly the generated tokens), written per completions part, exactly
+once, as one file per chosen profile: `tokenized/parquet/part-NNNNNN.parquet` (every column),
+`tokenized/specforge/part-NNNNNN.jsonl` + `tokenized/specforge-conversations/part-NNNNNN.jsonl`
+(SpecForge), `tokenized/speculators/part-NNNNNN.jsonl` (vLLM speculators). A part is committed by
+`tokenized/stats/part-NNNNNN.json`, written last.
 
 Scheduled on the `dflash_completions` asset (every validated `dflash_generate` run queues it, the
 event names the dataset); triggered by hand it tokenizes the dataset named by `output_uri`.
 `prepare` checks the hand-off and the tokenizer and splits the parts among `workers` →
 `tokenize` (one mapped task per worker; parts already written are skipped) → `report` writes
 `tokenized/report.json` + `.md` and emits the `dflash_tokenized` asset event.
-Params and layout are described in the project's README.
+Params, rules and layout: docs/tokenize.md; training on the files: docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import Any
 
 from airflow.sdk import dag, get_current_context, task
 
-from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS
+from dflash_pipeline.config import TOKENIZE_ESSENTIAL_PARAMS, TOKENIZE_PARAM_SCHEMAS
 from dflash_pipeline.tasks import completions_asset, params_from, tokenized_asset
 
-PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS)
+PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS, TOKENIZE_ESSENTIAL_PARAMS)
 
 
 @dag(

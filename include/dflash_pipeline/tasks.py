@@ -43,11 +43,16 @@ def _fail_fast() -> Iterator[None]:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
-def params_from(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def params_from(schemas: dict[str, dict[str, Any]], essentials: tuple[str, ...] = ()) -> dict[str, Any]:
     """A DAG's `Param`s from the package's JSON schemas (one source for the UI form, the CLI and
-    the tests); a schema without a default is a required param."""
+    the tests); a schema without a default is a required param. With `essentials`, laid out for the
+    trigger form by `config.form_layout`: those first and open, every other param under "Advanced: ..."."""
     from airflow.sdk import Param
 
+    from dflash_pipeline.config.run import form_layout
+
+    if essentials:
+        schemas = form_layout(schemas, essentials)
     return {name: Param(schema["default"], **{k: v for k, v in schema.items() if k != "default"})
             if "default" in schema else Param(**schema)
             for name, schema in schemas.items()}

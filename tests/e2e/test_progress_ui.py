@@ -222,14 +222,18 @@ def test_browser_logs_in_and_sees_the_finished_run(
             page.get_by_text("DFlash progress").first.wait_for()
             page.screenshot(path=str(ARTIFACTS / "progress-tab.png"))
 
-            # The trigger form groups the params into the schemas' sections, with descriptions.
+            # The trigger form: the essentials in the section Airflow opens at load (no click), the
+            # rest folded into "Advanced: <section>" items (config.run.form_layout).
             page.goto(f"{url}/dags/{DAG}")
             page.get_by_role("button", name="Trigger").first.click()
             dialog = page.get_by_role("dialog")
-            for section in ("Data", "Servers", "Sampling", "Run control", "Validation"):
+            for section in ("Run Parameters", "Advanced: Data", "Advanced: Servers", "Advanced: Sampling",
+                            "Advanced: Run control", "Advanced: Validation"):
                 dialog.get_by_text(section, exact=True).wait_for()
-            dialog.get_by_text("Data", exact=True).click()
             dialog.get_by_text("dataset root. It is the resume key", exact=False).wait_for()
+            assert not dialog.get_by_text("How long a chunk claimed by a task", exact=False).is_visible()
+            dialog.get_by_text("Advanced: Run control", exact=True).click()
+            dialog.get_by_text("How long a chunk claimed by a task", exact=False).wait_for()
             page.screenshot(path=str(ARTIFACTS / "trigger-form.png"), full_page=True)
         finally:
             browser.close()

@@ -7,12 +7,16 @@ callers import from `dflash_pipeline.config`.
 """
 
 from dflash_pipeline.config.evaluate import (
+    EVAL_ESSENTIAL_PARAMS,
     EVAL_PARAM_SCHEMAS,
     Condition,
     EvalConfig,
     Group,
 )
 from dflash_pipeline.config.run import (
+    ADVANCED_PREFIX,
+    ESSENTIAL_PARAMS,
+    ESSENTIALS_SECTION,
     PARAM_SCHEMAS,
     REQUIRED_PARAMS,
     SECTION_DATA,
@@ -23,11 +27,13 @@ from dflash_pipeline.config.run import (
     ConfigError,
     RunConfig,
     Sampling,
+    form_layout,
     short_server_labels,
 )
 from dflash_pipeline.config.tokenize import (
     DFLASH_MIN_LOSS_TOKENS,
     SECTION_TOKENIZE,
+    TOKENIZE_ESSENTIAL_PARAMS,
     TOKENIZE_PARAM_SCHEMAS,
     TOKENIZE_PROFILES,
     TRAINER_PARAM_SCHEMAS,
@@ -35,6 +41,8 @@ from dflash_pipeline.config.tokenize import (
 )
 
 __all__ = [
+    "ADVANCED_PREFIX", "ESSENTIAL_PARAMS", "ESSENTIALS_SECTION", "EVAL_ESSENTIAL_PARAMS", "TOKENIZE_ESSENTIAL_PARAMS",
+    "form_layout",
     "EVAL_PARAM_SCHEMAS", "Condition", "EvalConfig", "Group",
     "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
     "SECTION_SERVERS", "SECTION_TOKENIZE", "SECTION_VALIDATION", "TOKENIZE_PARAM_SCHEMAS", "TOKENIZE_PROFILES",

@@ -182,6 +182,11 @@ EVAL_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 
 REQUIRED_EVAL_PARAMS = ("output_uri", "drafters")
 
+# The trigger form's essentials (config.run.form_layout puts them first; the rest is "Advanced: ...").
+EVAL_ESSENTIAL_PARAMS: tuple[str, ...] = (
+    "dataset_uri", "prompts_uri", "output_uri", "drafters", "baseline", "model", "max_prompts",
+)
+
 
 @dataclass(frozen=True)
 class Group:

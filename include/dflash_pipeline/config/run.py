@@ -362,6 +362,44 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
 
+# -- the trigger form: essentials first, everything else under "Advanced: <section>" --------------------
+# Airflow 3.3's trigger form (airflow/ui, FlexibleForm) draws one accordion item per `section`, in the
+# order each section first appears in the DAG's params (serialized as an ordered list), and opens only
+# its default section, "Run Parameters" (where params without a section go), when the form loads; every
+# other section starts collapsed. So the essentials take that section and come first: a user sees them
+# on opening the form and the tuning and protocol internals stay folded away with their safe defaults.
+ESSENTIALS_SECTION = "Run Parameters"
+ADVANCED_PREFIX = "Advanced: "
+ADVANCED_SECTION = "Advanced"  # a non-essential param without a section of its own
+
+# What a user sets for a run (the rest has safe defaults); in the order the form shows them.
+ESSENTIAL_PARAMS: tuple[str, ...] = (
+    "prompts_uri", "output_uri", "servers", "model", "tokenizer",
+    "max_tokens", "temperature", "top_p", "enable_thinking", "samples_per_prompt", "regenerate", "limit",
+)
+
+
+def form_layout(schemas: dict[str, dict[str, Any]], essentials: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The schemas reordered and re-sectioned for the trigger form (the schemas given are not changed).
+
+    The essentials present come first, in `essentials` order, in ESSENTIALS_SECTION; every other param
+    keeps its order and goes to "Advanced: <its section>" ("Advanced" without one), so params added with
+    any SECTION_* constant land in the advanced part without being listed here. Names in `essentials`
+    that the schemas lack are skipped (tests/unit/test_params_form.py keeps the lists true)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in essentials:
+        if name in schemas:
+            out[name] = {**schemas[name], "section": ESSENTIALS_SECTION}
+    for name, schema in schemas.items():
+        if name in out:
+            continue
+        section = schema.get("section")
+        if section in (ESSENTIALS_SECTION, ADVANCED_SECTION) or (section or "").startswith(ADVANCED_PREFIX):
+            out[name] = dict(schema)  # already laid out
+        else:
+            out[name] = {**schema, "section": f"{ADVANCED_PREFIX}{section}" if section else ADVANCED_SECTION}
+    return out
+
 
 class ConfigError(ValueError):
     """The run's configuration is wrong: retrying cannot fix it."""

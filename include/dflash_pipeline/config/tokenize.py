@@ -140,6 +140,9 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
 
+# The trigger form's essentials (config.run.form_layout puts them first; the rest is "Advanced: ...").
+TOKENIZE_ESSENTIAL_PARAMS: tuple[str, ...] = ("output_uri", "tokenizer", "max_length", "profiles")
+
 
 @dataclass(frozen=True)
 class TokenizeConfig:

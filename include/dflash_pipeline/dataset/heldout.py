@@ -205,7 +205,7 @@ def write_heldout(store: Store, layout: DatasetLayout, split: HeldoutSplit, writ
 
     The bytes are a function of the input and the split, so a retried or racing plan of the same split
     finds the same object; one of another split is refused; `named_not_found` counts ids of the held-out file the input did not have (or had only as a
-    duplicate of an earlier row, whose content is then in the training data: see the README)."""
+    duplicate of an earlier row, whose content is then in the training data: see docs/architecture.md)."""
     data = writer.finish()
     if not split.active:
         return None

@@ -1,8 +1,8 @@
 """Where everything lives under a dataset root (`output_uri`).
 
 Every key is a pure function of the dataset root and a chunk index, never of the clock, so a retried
-task writes to exactly the keys its first try would have written. The layout is documented in the
-README; readers downstream only need `manifest.json` and `completions/`.
+task writes to exactly the keys its first try would have written. The layout is documented in
+docs/architecture.md (tests/integrity/test_readme.py keeps the docs to these keys); readers downstream only need `manifest.json` and `completions/`.
 """
 
 from __future__ import annotations
