@@ -252,8 +252,8 @@ def _turns(row: dict[str, Any]) -> tuple[str, list[Any]]:
     return key, raw
 
 
-def _message(msg: Any, where: str) -> tuple[str, str, bool, Any]:
-    """(role, content, has tool calls, reasoning) of one turn in any of the chat formats."""
+def _message(msg: Any, where: str) -> tuple[str, str, list[Any] | None, Any]:
+    """(role, text, tool calls or None, reasoning) of one turn in any of the chat formats."""
     if not isinstance(msg, dict):
         raise _Bad(R_MESSAGES, f"{where} is not an object")
     sharegpt = "from" in msg and "role" not in msg
@@ -261,54 +261,64 @@ def _message(msg: Any, where: str) -> tuple[str, str, bool, Any]:
     raw_content = msg.get("value") if sharegpt else msg.get("content")
     if sharegpt and raw_content is None and "content" in msg:
         raw_content = msg.get("content")
+    field = "from" if sharegpt else "role"
+    known = sorted({*ROLE_ALIASES, *SHAREGPT_CALL_ROLES})
     if not isinstance(raw_role, str):
-        raise _Bad(R_ROLE, f"{where}.{'from' if sharegpt else 'role'} is {raw_role!r}; must be one of "
-                           f"{sorted({*ROLE_ALIASES, *SHAREGPT_CALL_ROLES})}")
+        raise _Bad(R_ROLE, f"{where}.{field} is {raw_role!r}; must be one of {known}")
     lowered = raw_role.strip().lower()
-    if lowered in SHAREGPT_CALL_ROLES:
-        text = _text(raw_content, f"{where}.value")
-        return "assistant", fold_tool_calls("", [text], where), True, None
+    if lowered in SHAREGPT_CALL_ROLES:  # the value is the call itself
+        return "assistant", "", [_text(raw_content, f"{where}.value")], None
     role = ROLE_ALIASES.get(lowered)
     if role is None:
-        raise _Bad(R_ROLE, f"{where}.{'from' if sharegpt else 'role'} is {raw_role!r}; must be one of "
-                           f"{sorted({*ROLE_ALIASES, *SHAREGPT_CALL_ROLES})}")
+        raise _Bad(R_ROLE, f"{where}.{field} is {raw_role!r}; must be one of {known}")
     content = _text(raw_content, f"{where}.{'value' if sharegpt else 'content'}")
     calls = msg.get("tool_calls")
     if calls is None and isinstance(msg.get("function_call"), dict):  # OpenAI's legacy single call
         calls = [msg["function_call"]]
-    has_calls = False
     if calls is not None and calls != []:
         if role != "assistant":
             raise _Bad(R_TOOL_CALL, f"{where} is a {role} turn with tool_calls")
         if not isinstance(calls, list):
             raise _Bad(R_TOOL_CALL, f"{where}.tool_calls must be a list")
-        content = fold_tool_calls(content, calls, where)
-        has_calls = True
+    else:
+        calls = None
     reasoning = msg.get("reasoning_content", msg.get("reasoning"))
-    return role, content, has_calls, reasoning
+    return role, content, calls, reasoning
+
+
+def _as_read(role: str, content: str, calls: list[Any] | None, reasoning: Any, where: str) -> dict[str, Any]:
+    """One original turn (old answers included): its calls folded in when they can be."""
+    if calls:
+        try:
+            content = fold_tool_calls(content, calls, where)
+        except _Bad:
+            pass  # a broken call in an old answer that is dropped anyway
+    return {"role": role, "content": content, "reasoning": reasoning if isinstance(reasoning, str) else None}
 
 
 def _chat(row: dict[str, Any], regenerate: str) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
     """(messages to send, the original turns) of a `messages` / `conversations` row."""
     key, raw = _turns(row)
     turns = [_message(m, f"{key}[{i}]") for i, m in enumerate(raw)]
-    original = [{"role": r, "content": c, "reasoning": x if isinstance(x, str) else None} for r, c, _, x in turns]
+    original = [_as_read(*t, f"{key}[{i}]") for i, t in enumerate(turns)]
     # The old completion being regenerated is dropped (an empty one too): we answer anew.
     end = len(turns)
     while end and turns[end - 1][0] == "assistant":
         end -= 1
     messages: list[dict[str, str]] = []
-    for i, (role, content, has_calls, _) in enumerate(turns[:end]):
+    for i, (role, content, calls, _) in enumerate(turns[:end]):
         where = f"{key}[{i}]"
         if regenerate == "all_turns":
             if role == "tool":
                 raise _Bad(R_ALL_TURNS, f"{where} is a tool turn: regenerate=all_turns cannot replay tool turns "
                                         "(their output answers the original assistant's tool call)")
-            if has_calls:
-                raise _Bad(R_ALL_TURNS, f"{where} has tool calls: regenerate=all_turns cannot replay them")
+            if calls:
+                raise _Bad(R_ALL_TURNS, f"{where} has tool_calls: regenerate=all_turns cannot replay them")
             if role == "assistant" and (not messages or messages[-1]["role"] != "user"):
                 raise _Bad(R_ALL_TURNS, f"{where} is an assistant turn that does not follow a user turn: "
                                         "regenerate=all_turns has nothing to answer")
+        if calls:
+            content = fold_tool_calls(content, calls, where)
         if not content.strip():
             raise _Bad(R_EMPTY, f"{where} has empty content")
         messages.append({"role": role, "content": content})
