@@ -424,7 +424,9 @@ class RunConfig:
         for spec in specs:
             bucket, _, key = spec.uri[len("s3://"):].partition("/")
             key = key.strip("/")
-            holds = not is_glob(key) and (not key or out.key.startswith(key + "/"))  # a prefix that lists the root
+            # A prefix (or a `**` glob) above the root would list the root's own files as prompts.
+            base = key[: min(key.find(c) for c in "*?[" if c in key)].rsplit("/", 1)[0] if is_glob(key) else key
+            holds = (not is_glob(key) or "**" in key) and (not base or out.key.startswith(base + "/"))
             if bucket == out.bucket and (key == out.key or key.startswith(out.key + "/") or holds):
                 raise ConfigError(f"prompts_uri {spec.uri} must not lie inside output_uri (the dataset root) or be a prefix holding it")
         heldout_uri = params.get("heldout_uri")
