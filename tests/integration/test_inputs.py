@@ -17,9 +17,9 @@ from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.sources import copies
+from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.dev.input_formats import jsonl, parquet, rows
 from dflash_pipeline.steps.plan import PlanError, load_manifest, run_plan
-from dflash_pipeline.dataset.store import Store
 
 N = 1200  # rows per file: 4 files, 4,800 conversations
 
@@ -165,3 +165,34 @@ def test_rejects_of_several_files_name_their_file(s3_client: Any, bucket: str) -
     lines = [json.loads(x) for x in s3_client.get_object(Bucket=bucket, Key="ds/rejects/rejects.jsonl")["Body"].read().splitlines()]
     assert [(r["file"].rsplit("/", 1)[1], r["line"], r["code"]) for r in lines] == [
         ("a.jsonl", 2, "bad_prompt"), ("b.jsonl", 2, "bad_messages")]
+
+
+def test_every_format_generates_and_validates_through_the_simulated_fleet(s3_client: Any, bucket: str,
+                                                                          sim_fleet: Any) -> None:
+    """Tool turns, folded tool calls and former developer turns reach a server over HTTP and come back
+    as completion rows carrying their labels; validation finds every planned unit."""
+    from dflash_pipeline.dataset.records import decode_part
+    from dflash_pipeline.dev.faultlab import run_generation
+    from dflash_pipeline.steps.validate import Thresholds, run_validation
+
+    fleet = sim_fleet(2, token_time_s=0.0002, length_scale=0.02)
+    for fmt, name in (("sharegpt", "a.jsonl"), ("openai_tools", "b.jsonl.gz"), ("list_content", "c.jsonl")):
+        s3_client.put_object(Bucket=bucket, Key=f"in/{name}", Body=jsonl(rows(fmt, 60), gz=name.endswith(".gz")))
+    spec = [{"uri": f"s3://{bucket}/in/*.jsonl", "source": "plain"},
+            {"uri": f"s3://{bucket}/in/b.jsonl.gz", "weight": 1.5}]
+    cfg = RunConfig.from_params({"prompts_uri": spec, "output_uri": f"s3://{bucket}/gen", "servers": fleet.urls,
+                                 "max_tokens": 64, "save_every": 20, "max_rejects": 0, "max_reject_share": 0.0})
+    outcomes = run_generation(s3_client, cfg, fleet.urls, "run1")
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    planned = _planned(s3_client, bucket, "gen")
+    report = run_validation(s3_client, cfg.output_uri, thresholds=Thresholds(max_truncation_rate=1.0))
+    assert report["missing"] == 0 and report["errors"] == 0 and report["completions"] == len(planned)
+    store = Store(s3_client, bucket)
+    done = [r for obj in store.list("gen/completions/")
+            for r in decode_part(store.get(obj.key)[0]).to_pylist()]  # type: ignore[index]
+    assert len(done) == len(planned) and all(r["error_class"] is None and r["content"] is not None for r in done)
+    assert any(m["role"] == "tool" for r in done for m in r["messages"])
+    assert Counter(r["source"] for r in done if r["sample"] == 0)["plain"] == 120
+    tool_ids = {p["id"] for p in planned if p["source"] == "openai-tools"}
+    assert len(tool_ids) == 60
+    assert sum(1 for r in done if r["source"] == "openai-tools") == sum(copies(i, 1.5) for i in tool_ids)
