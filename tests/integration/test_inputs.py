@@ -105,6 +105,8 @@ def test_globs_and_a_weighted_labelled_list(s3_client: Any, bucket: str) -> None
     assert got["files"] == 3 and got["prompts"] == 2 * N + 50
     with pytest.raises(PlanError, match="no object matches"):
         run_plan(s3_client, _conf(bucket, f"{b}/in/*.csv", "glob3"), "r1")
+    with pytest.raises(PlanError, match="is named by both"):
+        run_plan(s3_client, _conf(bucket, [f"{b}/in/*.jsonl", f"{b}/in/sharegpt.jsonl"], "glob4"), "r1")
 
     spec = [{"uri": f"{b}/in/sharegpt.jsonl", "weight": 0.5, "source": "chat"},
             {"uri": f"{b}/in/openai_tools.jsonl.gz", "weight": 1, "source": "ignored-when-row-has-one"},
