@@ -120,3 +120,11 @@ def test_reject_budget() -> None:
     assert reject_budget(0, 0.01, 902_087) == 9_020
     assert reject_budget(50, 0.01, 1_000) == 50
     assert reject_budget(0, 0.0, 10**6) == 0
+
+
+def test_the_dataset_card_names_every_source() -> None:
+    from dflash_pipeline.steps.tokenize.card import _sources
+
+    assert _sources("s3://bk1/p.jsonl") == "`s3://bk1/p.jsonl`"
+    assert _sources(["s3://bk1/a/", {"uri": "s3://bk1/m/*.parquet", "weight": 0.5, "source": "math"}]) == (
+        "`s3://bk1/a/`, `s3://bk1/m/*.parquet` (weight 0.5, source math)")
