@@ -252,30 +252,35 @@ def _turns(row: dict[str, Any]) -> tuple[str, list[Any]]:
     return key, raw
 
 
-def _message(msg: Any, where: str) -> tuple[str, str, list[Any] | None, Any]:
+def _message(msg: Any, key: str, i: int) -> tuple[str, str, list[Any] | None, Any]:
     """(role, text, tool calls or None, reasoning) of one turn in any of the chat formats."""
     if not isinstance(msg, dict):
-        raise _Bad(R_MESSAGES, f"{where} is not an object")
+        raise _Bad(R_MESSAGES, f"{key}[{i}] is not an object")
     sharegpt = "from" in msg and "role" not in msg
     raw_role = msg.get("from") if sharegpt else msg.get("role")
     raw_content = msg.get("value") if sharegpt else msg.get("content")
     if sharegpt and raw_content is None and "content" in msg:
         raw_content = msg.get("content")
-    field = "from" if sharegpt else "role"
-    known = sorted({*ROLE_ALIASES, *SHAREGPT_CALL_ROLES})
-    if not isinstance(raw_role, str):
-        raise _Bad(R_ROLE, f"{where}.{field} is {raw_role!r}; must be one of {known}")
-    lowered = raw_role.strip().lower()
-    if lowered in SHAREGPT_CALL_ROLES:  # the value is the call itself
-        return "assistant", "", [_text(raw_content, f"{where}.value")], None
-    role = ROLE_ALIASES.get(lowered)
+    role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None  # the usual spelling: fast
     if role is None:
-        raise _Bad(R_ROLE, f"{where}.{field} is {raw_role!r}; must be one of {known}")
-    content = _text(raw_content, f"{where}.{'value' if sharegpt else 'content'}")
+        lowered = raw_role.strip().lower() if isinstance(raw_role, str) else None
+        if lowered in SHAREGPT_CALL_ROLES:  # the value is the call itself
+            return "assistant", "", [_text(raw_content, f"{key}[{i}].value")], None
+        role = ROLE_ALIASES.get(lowered) if lowered is not None else None
+        if role is None:
+            known = sorted({*ROLE_ALIASES, *SHAREGPT_CALL_ROLES})
+            raise _Bad(R_ROLE, f"{key}[{i}].{'from' if sharegpt else 'role'} is {raw_role!r}; must be one of {known}")
+    where = ""
+    if type(raw_content) is str:
+        content = raw_content
+    else:
+        where = f"{key}[{i}]"
+        content = _text(raw_content, f"{where}.{'value' if sharegpt else 'content'}")
     calls = msg.get("tool_calls")
     if calls is None and isinstance(msg.get("function_call"), dict):  # OpenAI's legacy single call
         calls = [msg["function_call"]]
     if calls is not None and calls != []:
+        where = where or f"{key}[{i}]"
         if role != "assistant":
             raise _Bad(R_TOOL_CALL, f"{where} is a {role} turn with tool_calls")
         if not isinstance(calls, list):
@@ -286,11 +291,11 @@ def _message(msg: Any, where: str) -> tuple[str, str, list[Any] | None, Any]:
     return role, content, calls, reasoning
 
 
-def _as_read(role: str, content: str, calls: list[Any] | None, reasoning: Any, where: str) -> dict[str, Any]:
+def _as_read(role: str, content: str, calls: list[Any] | None, reasoning: Any) -> dict[str, Any]:
     """One original turn (old answers included): its calls folded in when they can be."""
     if calls:
         try:
-            content = fold_tool_calls(content, calls, where)
+            content = fold_tool_calls(content, calls, "")
         except _Bad:
             pass  # a broken call in an old answer that is dropped anyway
     return {"role": role, "content": content, "reasoning": reasoning if isinstance(reasoning, str) else None}
@@ -299,28 +304,27 @@ def _as_read(role: str, content: str, calls: list[Any] | None, reasoning: Any, w
 def _chat(row: dict[str, Any], regenerate: str) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
     """(messages to send, the original turns) of a `messages` / `conversations` row."""
     key, raw = _turns(row)
-    turns = [_message(m, f"{key}[{i}]") for i, m in enumerate(raw)]
-    original = [_as_read(*t, f"{key}[{i}]") for i, t in enumerate(turns)]
+    turns = [_message(m, key, i) for i, m in enumerate(raw)]
+    original = [_as_read(*t) for t in turns]
     # The old completion being regenerated is dropped (an empty one too): we answer anew.
     end = len(turns)
     while end and turns[end - 1][0] == "assistant":
         end -= 1
     messages: list[dict[str, str]] = []
     for i, (role, content, calls, _) in enumerate(turns[:end]):
-        where = f"{key}[{i}]"
         if regenerate == "all_turns":
             if role == "tool":
-                raise _Bad(R_ALL_TURNS, f"{where} is a tool turn: regenerate=all_turns cannot replay tool turns "
+                raise _Bad(R_ALL_TURNS, f"{key}[{i}] is a tool turn: regenerate=all_turns cannot replay tool turns "
                                         "(their output answers the original assistant's tool call)")
             if calls:
-                raise _Bad(R_ALL_TURNS, f"{where} has tool_calls: regenerate=all_turns cannot replay them")
+                raise _Bad(R_ALL_TURNS, f"{key}[{i}] has tool_calls: regenerate=all_turns cannot replay them")
             if role == "assistant" and (not messages or messages[-1]["role"] != "user"):
-                raise _Bad(R_ALL_TURNS, f"{where} is an assistant turn that does not follow a user turn: "
+                raise _Bad(R_ALL_TURNS, f"{key}[{i}] is an assistant turn that does not follow a user turn: "
                                         "regenerate=all_turns has nothing to answer")
         if calls:
-            content = fold_tool_calls(content, calls, where)
+            content = fold_tool_calls(content, calls, f"{key}[{i}]")
         if not content.strip():
-            raise _Bad(R_EMPTY, f"{where} has empty content")
+            raise _Bad(R_EMPTY, f"{key}[{i}] has empty content")
         messages.append({"role": role, "content": content})
     if not messages or messages[-1]["role"] not in ("user", "tool"):
         raise _Bad(R_ENDING, "the conversation must end with a user (or tool) turn after dropping the old answer")
