@@ -35,6 +35,15 @@ def test_sharegpt_from_value_roles_map_to_chat_roles() -> None:
     assert p.original is not None and p.original[-1] == {"role": "assistant", "content": "4", "reasoning": None}
 
 
+def test_sharegpt_system_column_is_the_system_turn() -> None:
+    p = ok({"system": "be kind", "conversations": [{"from": "human", "value": "q"}]})
+    assert p.messages == [{"role": "system", "content": "be kind"}, {"role": "user", "content": "q"}]
+    p = ok({"system": "column", "conversations": [{"from": "system", "value": "turn"}, {"from": "human", "value": "q"}]})
+    assert p.messages[0] == {"role": "system", "content": "turn"}, "a system turn of its own wins"
+    p = ok({"system": "not for messages rows", "messages": [{"role": "user", "content": "q"}]})
+    assert p.messages == [{"role": "user", "content": "q"}] and p.metadata == {"system": "not for messages rows"}
+
+
 def test_sharegpt_with_role_content_turns_as_specforge_writes_them() -> None:
     p = ok({"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
     assert p.messages == [{"role": "user", "content": "q"}]

@@ -9,7 +9,8 @@ Formats (docs/inputs.md has examples):
 - `messages` (OpenAI chat): roles system, developer, user, assistant, tool (and the legacy `function`);
   content a string, null (an assistant turn that only calls tools) or a list of parts.
 - `conversations` (ShareGPT): turns with `from`/`value` (human, gpt, system, observation,
-  function_call, ...), or with `role`/`content` as SpecForge writes them.
+  function_call, ...), or with `role`/`content` as SpecForge writes them; a top-level `system` string
+  (LLaMA-Factory's column) is the system turn when the conversation has none.
 
 Normalised messages are `{"role", "content"}` strings with roles system, user, assistant and tool,
 which is what every later step (requests, tokenize, trainers' files) carries:
@@ -305,6 +306,9 @@ def _chat(row: dict[str, Any], regenerate: str) -> tuple[list[dict[str, str]], l
     """(messages to send, the original turns) of a `messages` / `conversations` row."""
     key, raw = _turns(row)
     turns = [_message(m, key, i) for i, m in enumerate(raw)]
+    system = row.get("system")
+    if key == "conversations" and isinstance(system, str) and system.strip() and turns[0][0] != "system":
+        turns.insert(0, ("system", system, None, None))  # LLaMA-Factory's ShareGPT keeps it in a column
     original = [_as_read(*t) for t in turns]
     # The old completion being regenerated is dropped (an empty one too): we answer anew.
     end = len(turns)
