@@ -128,3 +128,16 @@ def test_the_dataset_card_names_every_source() -> None:
     assert _sources("s3://bk1/p.jsonl") == "`s3://bk1/p.jsonl`"
     assert _sources(["s3://bk1/a/", {"uri": "s3://bk1/m/*.parquet", "weight": 0.5, "source": "math"}]) == (
         "`s3://bk1/a/`, `s3://bk1/m/*.parquet` (weight 0.5, source math)")
+
+
+def test_airflows_param_takes_a_string_or_a_weighted_list() -> None:
+    """The trigger (UI form, REST, CLI) validates with Airflow's own Param before a run exists."""
+    from airflow.sdk import Param
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    param = Param(**PARAM_SCHEMAS["prompts_uri"])
+    listed = ["s3://bk1/a/", {"uri": "s3://bk1/b/*.jsonl", "weight": 0.5, "source": "math"}]
+    assert param.resolve(listed) == listed
+    assert param.resolve("s3://bk1/a.jsonl") == "s3://bk1/a.jsonl"
+    with pytest.raises(ParamValidationError):
+        param.resolve([{"uri": "s3://bk1/b", "weight": 0}])
