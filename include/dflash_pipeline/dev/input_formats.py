@@ -27,11 +27,12 @@ TOOLS = [
 ]
 
 
-def _question(rng: random.Random, i: int) -> str:
+def _question(rng: random.Random, i: int, tag: str) -> str:
+    """A question unique to (format tag, i), so no two generated rows, of one format or of two, are equal."""
     topic = rng.choice(TOPICS)
-    return rng.choice([f"Explain {topic} to a beginner (case {i}).",
-                       f"Give three facts about {topic}; number {i}.",
-                       f"What is a common mistake with {topic}? Example {i}."])
+    return rng.choice([f"Explain {topic} to a beginner ({tag} case {i}).",
+                       f"Give three facts about {topic}; {tag} number {i}.",
+                       f"What is a common mistake with {topic}? {tag} example {i}."])
 
 
 def _call(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
@@ -44,7 +45,7 @@ def sharegpt_row(rng: random.Random, i: int) -> dict[str, Any]:
     if rng.random() < 0.4:
         turns.append({"from": "system", "value": "You are a concise assistant."})
     for k in range(rng.randint(1, 3)):
-        turns.append({"from": "human", "value": _question(rng, i * 10 + k)})
+        turns.append({"from": "human", "value": _question(rng, i * 10 + k, "chat")})
         if rng.random() < 0.2:
             name, args = _call(rng, i)
             turns.append({"from": "function_call", "value": json.dumps({"name": name, "arguments": args})})
@@ -65,7 +66,7 @@ def openai_tools_row(rng: random.Random, i: int) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     if rng.random() < 0.6:
         msgs.append({"role": "developer", "content": "Use the tools when they help. Be brief."})
-    msgs.append({"role": "user", "content": _question(rng, i)})
+    msgs.append({"role": "user", "content": _question(rng, i, "tools")})
     if rng.random() < 0.7:
         calls = []
         for c in range(rng.randint(1, 2)):
@@ -93,7 +94,7 @@ def list_content_row(rng: random.Random, i: int) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     if rng.random() < 0.5:
         msgs.append({"role": "system", "content": parts("You are helpful.")})
-    msgs.append({"role": "user", "content": parts(_question(rng, i), f"Context block {i}.")})
+    msgs.append({"role": "user", "content": parts(_question(rng, i, "parts"), f"Context block {i}.")})
     if rng.random() < 0.5:
         msgs.append({"role": "assistant", "content": parts(f"Earlier answer {i}.")})
         msgs.append({"role": "user", "content": rng.choice([f"And why? ({i})", parts(f"And why? ({i})")])})
