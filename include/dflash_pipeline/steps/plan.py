@@ -1,4 +1,8 @@
-"""The plan step: read and check the prompt file once, split it into chunks, pin the run.
+"""The plan step: read and check the prompt files once, split them into chunks, pin the run.
+
+The input is every file `prompts_uri` resolves to (dataset/sources.py: a key, prefix, glob or weighted
+list), read in order, each at the ETag the manifest pins. Rows that cannot be used are rejects counted
+by code; plan fails when they exceed max(max_rejects, max_reject_share x rows read).
 
 A chunk is the unit of work a generate task claims and the unit of output it commits (one Parquet
 part per chunk). Chunks are `save_every` prompts, except near the end, where they shrink
