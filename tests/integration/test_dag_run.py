@@ -251,7 +251,7 @@ def test_malformed_lines_fail_in_plan_before_any_request(bad_runs, moto: MotoSer
     assert states[("plan", -1)] == "failed"
     assert bad_runs["requests"] == 0, "no generation request may be sent"
     log = bad_runs["log"]
-    assert "line 3: malformed JSON" in log and "line 7: row has neither 'messages' nor 'prompt'" in log
+    assert "line 3: malformed JSON" in log and "line 7: row has none of 'messages'" in log
     rejects = moto.client().get_object(Bucket="data", Key="datasets/broken/rejects/rejects.jsonl")["Body"].read()
     assert [json.loads(x)["line"] for x in rejects.splitlines()] == [3, 7]
 

@@ -197,7 +197,7 @@ def test_all_turns_rejects_tool_turns_with_the_reason() -> None:
                         {"role": "tool", "content": "sunny"}, {"role": "user", "content": "thanks"}]}
     got = normalize_row(row, 4, "all_turns")
     assert isinstance(got, Reject) and got.line == 4 and "all_turns" in got.reason and "tool" in got.reason
-    assert isinstance(normalize_row(row, 4, "last_turn"), Reject)  # last_turn never took tool turns either
+    assert isinstance(normalize_row(row, 4, "last_turn"), Prompt)  # last_turn sends tool turns as they are
 
 
 def test_all_turns_rejects_tool_calls_and_an_answer_without_a_question() -> None:

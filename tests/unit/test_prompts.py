@@ -47,15 +47,15 @@ def test_derived_id_is_stable_and_content_based() -> None:
     ("line", "reason"),
     [
         (b'{"messages": [', "malformed JSON"),
-        (b'{"id": "x"}', "neither 'messages' nor 'prompt'"),
+        (b'{"id": "x"}', "none of 'messages', 'conversations'"),
         (b'{"prompt": "   "}', "'prompt' is empty"),
-        (b'{"messages": [{"role": "tool", "content": "x"}]}', "role is 'tool'"),
-        (b'{"messages": [{"role": "user", "content": ""}]}', "content is empty"),
+        (b'{"messages": [{"role": "tool", "content": "x"}]}', "no user turn"),
+        (b'{"messages": [{"role": "user", "content": ""}]}', "has empty content"),
         (b'{"messages": []}', "non-empty list"),
-        (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "both"),
+        (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "give only one"),
         (b'{"prompt": "caf\xe9"}', "invalid UTF-8"),
         (b'[1, 2]', "expected an object"),
-        (b'{"messages": [{"role": "assistant", "content": "only an answer"}]}', "end with a user message"),
+        (b'{"messages": [{"role": "assistant", "content": "only an answer"}]}', "must end with a user"),
     ],
 )
 def test_bad_rows_name_their_line(line: bytes, reason: str) -> None:
@@ -83,7 +83,7 @@ def test_parquet_rows_and_wrong_columns() -> None:
 
     bad = io.BytesIO()
     pq.write_table(pa.table({"question": ["hello"]}), bad)
-    with pytest.raises(PromptFileError, match="needs a 'messages' or 'prompt' column"):
+    with pytest.raises(PromptFileError, match="needs a 'messages', 'conversations' or 'prompt' column"):
         _parse(bad.getvalue(), key="p.parquet")
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from dflash_pipeline.config.sampling import SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset.sources import SourceError, is_glob, parse_sources
 
 SECTION_DATA = "Data"
 SECTION_SERVERS = "Servers"
@@ -23,10 +24,37 @@ SECTION_VALIDATION = "Validation"
 # name -> JSON schema (with Airflow's extra keys "description" and "section").
 PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "prompts_uri": {
-        "type": "string",
-        "pattern": "^s3://[^/]+/.+",
-        "description": "s3://bucket/key of the prompt set: JSONL, .jsonl.gz or Parquet. A row has "
-        "`messages` (OpenAI chat list) or `prompt` (a string), and optionally `id`.",
+        "type": ["string", "array"],
+        "oneOf": [
+            {"type": "string", "pattern": "^s3://[^/]+/.+"},
+            {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 1000,
+                "items": {
+                    "oneOf": [
+                        {"type": "string", "pattern": "^s3://[^/]+/.+"},
+                        {
+                            "type": "object",
+                            "required": ["uri"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "uri": {"type": "string", "pattern": "^s3://[^/]+/.+"},
+                                "weight": {"type": "number", "exclusiveMinimum": 0, "maximum": 64},
+                                "source": {"type": "string", "minLength": 1, "maxLength": 256},
+                            },
+                        },
+                    ]
+                },
+            },
+        ],
+        "description": "The prompt set (JSONL, .jsonl.gz or Parquet): s3://bucket/key, a prefix "
+        "(s3://bucket/dir/: every prompt file under it), a glob (s3://bucket/dir/*.jsonl.gz), or a list of "
+        "those, each optionally {\"uri\": ..., \"weight\": 0.5, \"source\": \"math\"}. A row has `messages` "
+        "(OpenAI chat, developer/tool roles, text parts), `conversations` (ShareGPT) or `prompt`, and optionally "
+        "`id`; other keys are kept as row metadata. Weight w plans each conversation floor(w) times plus once "
+        "more for a deterministic (w - floor(w)) share of ids; `source` labels rows that have none. Every file's "
+        "ETag is pinned. See docs/inputs.md.",
         "section": SECTION_DATA,
     },
     "output_uri": {
@@ -49,7 +77,17 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 0,
         "minimum": 0,
         "description": "How many bad prompt rows plan may drop (written to rejects/ with the reason) "
-        "before it fails. 0 = any bad row fails the run before a request is sent.",
+        "before it fails, whatever max_reject_share allows. Plan fails when the rejects exceed both.",
+        "section": SECTION_DATA,
+    },
+    "max_reject_share": {
+        "type": "number",
+        "default": 0.01,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "Share of the rows read that plan may drop as bad rows (each written to rejects/ with "
+        "its reason; the plan counts them by reason). Plan fails when the rejects exceed both this share and "
+        "max_rejects. Set both to 0 to fail on any bad row before a request is sent.",
         "section": SECTION_DATA,
     },
     "accept_pin_changes": {
@@ -438,7 +476,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class RunConfig:
-    prompts_uri: str
+    # A string, or a list of strings / {"uri", "weight", "source"} (dataset/sources.py resolves it).
+    prompts_uri: Any
     output_uri: str
     servers: tuple[str, ...]
     model: str | None = None
@@ -449,6 +488,7 @@ class RunConfig:
     request_timeout_s: float = 300.0
     limit: int | None = None
     max_rejects: int = 0
+    max_reject_share: float = 0.01
     accept_pin_changes: bool = False
     require_token_exact: bool = False
     aws_conn_id: str = "aws_default"
@@ -481,14 +521,18 @@ class RunConfig:
         for name, value in params.items():
             _check_schema(name, value, PARAM_SCHEMAS[name])
         try:
-            prompts = parse_s3_uri(params["prompts_uri"], what="prompts_uri")
+            specs = parse_sources(params["prompts_uri"])
             out = parse_s3_uri(params["output_uri"], what="output_uri")
-        except UriError as exc:
+        except (UriError, SourceError) as exc:
             raise ConfigError(str(exc)) from exc
-        if prompts.bucket == out.bucket and (
-            prompts.key == out.key or prompts.key.startswith(out.key + "/")
-        ):
-            raise ConfigError("prompts_uri must not lie inside output_uri (the dataset root)")
+        for spec in specs:
+            bucket, _, key = spec.uri[len("s3://"):].partition("/")
+            key = key.strip("/")
+            # A prefix (or a `**` glob) above the root would list the root's own files as prompts.
+            base = key[: min(key.find(c) for c in "*?[" if c in key)].rsplit("/", 1)[0] if is_glob(key) else key
+            holds = (not is_glob(key) or "**" in key) and (not base or out.key.startswith(base + "/"))
+            if bucket == out.bucket and (key == out.key or key.startswith(out.key + "/") or holds):
+                raise ConfigError(f"prompts_uri {spec.uri} must not lie inside output_uri (the dataset root) or be a prefix holding it")
         heldout_uri = params.get("heldout_uri")
         if heldout_uri is not None:
             try:
@@ -532,7 +576,7 @@ class RunConfig:
             ladder=ladder,
         )
         return cls(
-            prompts_uri=params["prompts_uri"],
+            prompts_uri=params["prompts_uri"] if isinstance(params["prompts_uri"], str) else list(params["prompts_uri"]),
             output_uri=f"s3://{out.bucket}/{out.key}",
             servers=tuple(params["servers"]),
             model=get("model"),
@@ -543,6 +587,7 @@ class RunConfig:
             request_timeout_s=float(get("request_timeout_s")),
             limit=get("limit"),
             max_rejects=int(get("max_rejects")),
+            max_reject_share=float(get("max_reject_share")),
             accept_pin_changes=bool(get("accept_pin_changes")),
             require_token_exact=bool(get("require_token_exact")),
             aws_conn_id=get("aws_conn_id"),

@@ -1,4 +1,8 @@
-"""The plan step: read and check the prompt file once, split it into chunks, pin the run.
+"""The plan step: read and check the prompt files once, split them into chunks, pin the run.
+
+The input is every file `prompts_uri` resolves to (dataset/sources.py: a key, prefix, glob or weighted
+list), read in order, each at the ETag the manifest pins. Rows that cannot be used are rejects counted
+by code; plan fails when they exceed max(max_rejects, max_reject_share x rows read).
 
 A chunk is the unit of work a generate task claims and the unit of output it commits (one Parquet
 part per chunk). Chunks are `save_every` prompts, except near the end, where they shrink
@@ -12,10 +16,12 @@ without reading the input again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-from collections import deque
+import math
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,8 +29,9 @@ from typing import Any, TypeVar
 from dflash_pipeline.config import RunConfig
 from dflash_pipeline.config.sampling import ThinkingQuota
 from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
-from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
-from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.prompts import R_ID_CONFLICT, Prompt, PromptFileError, Reject, iter_prompt_file
+from dflash_pipeline.dataset.sources import InputFile, SourceError, copies, is_single_plain, parse_sources, resolve
 from dflash_pipeline.dataset.records import encode_inputs
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 
@@ -92,6 +99,10 @@ class PlanStats:
     rejects: int = 0
     limited: bool = False
     heldout: int = 0
+    # Prompts a source weight below 1 left out, and extra copies a weight above 1 added (as samples).
+    weighted_out: int = 0
+    weight_copies: int = 0
+    rejects_by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 def thinking_modes(prompts: Iterable[Prompt], fraction: float | None) -> Iterator[tuple[Prompt, bool | None]]:
@@ -189,11 +200,23 @@ def heldout_pins(cfg: RunConfig, heldout_etag: str | None) -> dict[str, Any] | N
     return {"fraction": cfg.heldout_fraction, "salt": cfg.heldout_salt, "uri": cfg.heldout_uri, "etag": heldout_etag}
 
 
-def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int, heldout_etag: str | None = None) -> dict[str, Any]:
+def input_pins(cfg: RunConfig, input_etag: str | None, input_size: int | None,
+               files: list[InputFile] | None = None) -> dict[str, Any]:
+    """The input's pin: one plain key keeps the form roots planned before multi-file inputs have
+    (uri, etag, size); anything else pins every file's key, ETag, size, weight and source label."""
+    if files is None or is_single_plain(cfg.prompts_uri, files):
+        if files is not None:
+            input_etag, input_size = files[0].etag, files[0].size
+        return {"uri": cfg.prompts_uri, "etag": input_etag, "size": input_size, "limit": cfg.limit}
+    return {"uri": cfg.prompts_uri, "files": [f.pin() for f in files], "limit": cfg.limit}
+
+
+def pinned_settings(cfg: RunConfig, input_etag: str | None, input_size: int | None, heldout_etag: str | None = None,
+                    files: list[InputFile] | None = None) -> dict[str, Any]:
     """What makes rows under one root comparable. A rerun must match (or accept_pin_changes)."""
     s = cfg.sampling
     pins: dict[str, Any] = {
-        "input": {"uri": cfg.prompts_uri, "etag": input_etag, "size": input_size, "limit": cfg.limit},
+        "input": input_pins(cfg, input_etag, input_size, files),
         "model": cfg.model,
         "sampling": {
             "max_tokens": s.max_tokens,
@@ -238,9 +261,25 @@ def diff_pins(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> lis
         name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
             out.extend(diff_pins(a, b, name + "."))
+        elif key == "files" and isinstance(a, list) and isinstance(b, list) and a != b:
+            out.append(f"{name}: {_files_diff(a, b)}")
         elif a != b:
             out.append(f"{name}: the dataset has {a!r}, this run asks for {b!r}")
     return out
+
+
+def _files_diff(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
+    """What changed between two pinned file lists, briefly (a prefix may hold thousands of files)."""
+    a = {f.get("uri"): f for f in old}
+    b = {f.get("uri"): f for f in new}
+    parts = []
+    for label, keys in (("added", [k for k in b if k not in a]), ("gone", [k for k in a if k not in b]),
+                        ("changed", [k for k in a if k in b and a[k] != b[k]])):
+        if keys:
+            parts.append(f"{len(keys)} {label} ({', '.join(map(str, keys[:3]))}{', ...' if len(keys) > 3 else ''})")
+    if not parts:
+        parts.append("the same files in another order")
+    return "the input files differ: " + "; ".join(parts)
 
 
 def check_pins(existing: dict[str, Any], new_pins: dict[str, Any], cfg: RunConfig) -> list[str]:
@@ -262,6 +301,11 @@ def check_pins(existing: dict[str, Any], new_pins: dict[str, Any], cfg: RunConfi
             + f"\n{how}"
         )
     return diffs
+
+
+def reject_budget(max_rejects: int, max_reject_share: float, rows_read: int) -> int:
+    """How many bad rows a plan may drop: the larger of the absolute budget and the share of the rows read."""
+    return max(max_rejects, math.floor(max_reject_share * rows_read))
 
 
 def plan_id_for(pins: dict[str, Any], save_every: int, n_servers: int) -> str:
@@ -310,6 +354,9 @@ def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool)
         "prompts": manifest["input"]["prompts"],
         "chunks": len(manifest["chunks"]["sizes"]),
         "rejects": manifest["input"]["rejects"],
+        # Counts per reject code (a few keys at most), so the task log and XCom say why.
+        "rejects_by_reason": manifest["input"].get("rejects_by_reason", {}),
+        "files": len(manifest["input"].get("files") or [None]),
         "heldout": (manifest.get("heldout") or {}).get("count", 0),
         "resumed": resumed,
     }
@@ -318,19 +365,18 @@ def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool)
 def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     """Plan the dataset root `cfg.output_uri` (or check and reuse an existing plan)."""
     layout = DatasetLayout.from_uri(cfg.output_uri)
-    src = parse_s3_uri(cfg.prompts_uri, what="prompts_uri")
     out_store = Store(client, layout.bucket)
-    in_store = Store(client, src.bucket)
     out_store.check_bucket()
-    in_store.check_bucket()
-    head = with_retries(lambda: in_store.head(src.key), what="head prompts")
-    if head is None:
-        raise PlanError(f"prompts_uri {cfg.prompts_uri} does not exist")
+    try:
+        files = resolve(client, parse_sources(cfg.prompts_uri))
+    except SourceError as exc:
+        raise PlanError(str(exc)) from exc
+    single = is_single_plain(cfg.prompts_uri, files)
     try:
         split, heldout_etag = load_split(client, cfg.heldout_uri, cfg.heldout_fraction, cfg.heldout_salt)
     except HeldoutError as exc:
         raise PlanError(str(exc)) from exc
-    pins = pinned_settings(cfg, head.etag, head.size, heldout_etag)
+    pins = pinned_settings(cfg, None, None, heldout_etag, files=files)
 
     existing = load_manifest(out_store, layout)
     if existing is not None:
@@ -361,46 +407,68 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     stats = PlanStats()
     rejects: list[Reject] = []
     dedupe = _Deduper()
-    sha = hashlib.sha256()
     heldout = HeldoutWriter()
 
-    def accepted_prompts() -> Iterator[Prompt]:
+    file_stats: list[dict[str, Any]] = []
+    label = cfg.prompts_uri if isinstance(cfg.prompts_uri, str) else "prompts_uri"
+
+    def reject(r: Reject, f: InputFile) -> None:
+        stats.rejects += 1
+        stats.rejects_by_reason[r.code] += 1
+        file_stats[-1]["rejects"] += 1
+        if len(rejects) < MAX_REJECTS_KEPT:
+            rejects.append(r if single else dataclasses.replace(r, file=f.uri))
+
+    def rows_of(f: InputFile) -> Iterator[Prompt | Reject]:
         try:  # exactly the version whose ETag the manifest pins, never a file replaced meanwhile
-            body = in_store.open(src.key, if_match=head.etag)
+            body = Store(client, f.bucket).open(f.key, if_match=f.etag)
         except PreconditionFailed as exc:
             raise PlanError(
-                f"prompts_uri {cfg.prompts_uri} was replaced after planning started (ETag {head.etag} is gone); "
+                f"prompts_uri {f.uri} was replaced after planning started (ETag {f.etag} is gone); "
                 "the plan pins one version of the input: trigger again"
             ) from exc
-        stream = _HashingReader(body, sha)
+        sha = hashlib.sha256()
+        file_stats.append({**f.pin(), "sha256": None, "rows_read": 0, "prompts": 0, "rejects": 0, "weighted_out": 0})
         try:
-            for item in iter_prompt_file(stream, src.key, cfg.sampling.regenerate):
+            yield from iter_prompt_file(_HashingReader(body, sha), f.key, cfg.sampling.regenerate)
+        except PromptFileError as exc:
+            raise PlanError(f"{f.uri}: {exc}") from exc
+        file_stats[-1]["sha256"] = sha.hexdigest()
+
+    def accepted_prompts() -> Iterator[tuple[Prompt, int]]:
+        """(prompt, copies its source's weight gives it), in file order."""
+        for f in files:
+            for item in rows_of(f):
                 stats.rows_read += 1
+                file_stats[-1]["rows_read"] += 1
                 if isinstance(item, Reject):
-                    stats.rejects += 1
-                    if len(rejects) < MAX_REJECTS_KEPT:
-                        rejects.append(item)
+                    reject(item, f)
                     continue
+                if item.source is None and f.source is not None:
+                    item = dataclasses.replace(item, source=f.source)
                 verdict = dedupe.check(item)
                 if verdict == "duplicate":
                     stats.duplicates_dropped += 1
                     continue
                 if verdict is not None:
-                    stats.rejects += 1
-                    if len(rejects) < MAX_REJECTS_KEPT:
-                        rejects.append(Reject(item.line, verdict))
+                    reject(Reject(item.line, verdict, code=R_ID_CONFLICT), f)
                     continue
                 if split.holds(item.id):  # never generated here: kept for the eval, outside `limit`
                     stats.heldout += 1
                     heldout.add(item)
                     continue
+                n = copies(item.id, f.weight)
+                if n == 0:
+                    stats.weighted_out += 1
+                    file_stats[-1]["weighted_out"] += 1
+                    continue
                 if cfg.limit is not None and stats.accepted >= cfg.limit:
                     stats.limited = True
                     return
                 stats.accepted += 1
-                yield item
-        except PromptFileError as exc:
-            raise PlanError(f"{cfg.prompts_uri}: {exc}") from exc
+                stats.weight_copies += n - 1
+                file_stats[-1]["prompts"] += 1
+                yield item, n
 
     mix = MixStats(fraction=cfg.sampling.thinking_fraction)
 
@@ -408,10 +476,19 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         # One planned row per (id, sample); a prompt's samples are neighbours, so they usually share
         # a chunk (and a server, whose radix cache then holds the prompt already). Each conversation's
         # thinking mode is its row's, else the quota's (thinking_fraction), else null (the run's flag);
-        # all its samples share it.
-        for prompt, thinking in thinking_modes(accepted_prompts(), cfg.sampling.thinking_fraction):
+        # all its samples share it. A source weight above 1 multiplies the samples (each with its own
+        # seed, as samples_per_prompt's); the quota may hold a few prompts back, so their copy counts
+        # wait in `copies` (ids are unique after the deduper) until their mode is known.
+        copies: dict[str, int] = {}
+
+        def prompts_only() -> Iterator[Prompt]:
+            for prompt, n in accepted_prompts():
+                copies[prompt.id] = n
+                yield prompt
+
+        for prompt, thinking in thinking_modes(prompts_only(), cfg.sampling.thinking_fraction):
             mix.count(prompt, thinking)
-            for sample in range(cfg.sampling.samples_per_prompt):
+            for sample in range(copies.pop(prompt.id) * cfg.sampling.samples_per_prompt):
                 yield prompt, sample, thinking
 
     sizes: list[int] = []
@@ -437,17 +514,20 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     if rejects or stats.rejects:
         blob = "\n".join(json.dumps(r.to_dict(), ensure_ascii=False) for r in rejects).encode() + b"\n"
         with_retries(lambda: out_store.put(layout.rejects_key, blob, content_type="application/x-ndjson"), what="rejects")
-    if stats.rejects > cfg.max_rejects:
-        shown = "\n".join(f"  line {r.line}: {r.reason}" for r in rejects[:20])
+    allowed = reject_budget(cfg.max_rejects, cfg.max_reject_share, stats.rows_read)
+    if stats.rejects > allowed:
+        by_reason = ", ".join(f"{code} {n}" for code, n in stats.rejects_by_reason.most_common())
+        shown = "\n".join(f"  {r.file + ' ' if r.file else ''}line {r.line}: {r.reason}" for r in rejects[:20])
         more = "" if stats.rejects <= 20 else f"\n  … and {stats.rejects - 20} more"
         raise PlanError(
-            f"{cfg.prompts_uri}: {stats.rejects} bad row(s), max_rejects={cfg.max_rejects}. "
+            f"{label}: {stats.rejects} bad row(s) of {stats.rows_read} ({by_reason}); the budget is {allowed} "
+            f"(max_rejects={cfg.max_rejects}, max_reject_share={cfg.max_reject_share}). "
             f"Nothing was sent to the servers. All reasons are in s3://{layout.bucket}/{layout.rejects_key}\n"
             f"{shown}{more}"
         )
     if stats.accepted == 0:
-        raise PlanError(f"{cfg.prompts_uri}: no usable prompts ({stats.rows_read} rows read, "
-                        f"{stats.heldout} held out)")
+        raise PlanError(f"{label}: no usable prompts ({stats.rows_read} rows read, "
+                        f"{stats.heldout} held out, {stats.weighted_out} left out by source weights)")
     try:
         heldout_entry = write_heldout(out_store, layout, split, heldout, stats.heldout)
     except HeldoutError as exc:
@@ -460,9 +540,14 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         "pinned": pins,
         "input": {
             "uri": cfg.prompts_uri,
-            "etag": head.etag,
-            "size": head.size,
-            "sha256": None if stats.limited else sha.hexdigest(),
+            "etag": files[0].etag if single else None,
+            "size": sum(f.size for f in files),
+            "sha256": None if stats.limited or not single else file_stats[0]["sha256"],
+            **({} if single else {"files": file_stats}),
+            "weighted_out": stats.weighted_out,
+            "weight_copies": stats.weight_copies,
+            "rejects_by_reason": dict(sorted(stats.rejects_by_reason.items())),
+            "reject_budget": allowed,
             "rows_read": stats.rows_read,
             "prompts": stats.accepted,
             "samples_per_prompt": cfg.sampling.samples_per_prompt,
@@ -505,9 +590,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         check_pins(manifest, pins, cfg)
         return plan_summary(manifest, layout, resumed=True)
     logger.info(
-        "planned %s prompts in %s chunks (rows read %s, duplicates dropped %s, rejects %s, held out %s) -> %s",
-        stats.accepted, len(sizes), stats.rows_read, stats.duplicates_dropped, stats.rejects, stats.heldout,
-        layout.uri,
+        "planned %s prompts in %s chunks from %s file(s) (rows read %s, duplicates dropped %s, rejects %s %s, "
+        "held out %s, left out by weight %s, extra copies by weight %s) -> %s",
+        stats.accepted, len(sizes), len(files), stats.rows_read, stats.duplicates_dropped, stats.rejects,
+        dict(stats.rejects_by_reason), stats.heldout, stats.weighted_out, stats.weight_copies, layout.uri,
     )
     return plan_summary(manifest, layout, resumed=False)
 

@@ -119,7 +119,7 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         f"max_tokens {_fmt(sampling.get('max_tokens', 'n/a'))}, seed {sampling.get('seed', 'n/a')} |",
         f"| thinking | {thinking} |",
         f"| regenerate | {gen.get('regenerate', 'n/a')}, {gen.get('samples_per_prompt', 'n/a')} sample(s) per prompt |",
-        f"| prompts | {_fmt(gen.get('prompts', 'n/a'))} from `{gen.get('prompts_uri', 'n/a')}` |", "",
+        f"| prompts | {_fmt(gen.get('prompts', 'n/a'))} from {_sources(gen.get('prompts_uri'))} |", "",
         "## Rows", "",
         "| figure | value |", "|---|---:|",
         f"| completions rows in | {_fmt(report.get('rows_in', 'n/a'))} |",
@@ -199,3 +199,18 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         "",
     ]
     return "\n".join(lines)
+
+
+def _sources(value: Any) -> str:
+    """prompts_uri as given: one URI, or a list of URIs / {uri, weight, source} (docs/inputs.md)."""
+    if value is None:
+        return "`n/a`"
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for it in items:
+        if isinstance(it, dict):
+            extra = ", ".join(f"{k} {it[k]}" for k in ("weight", "source") if it.get(k) is not None)
+            out.append(f"`{it.get('uri')}`" + (f" ({extra})" if extra else ""))
+        else:
+            out.append(f"`{it}`")
+    return ", ".join(out)
