@@ -90,7 +90,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{mod} (layer {src[1]}) imports {dep} (layer {dst[1]}), which is not below it")
     # dataset/ is the very bottom: it must not reach up into config either (config imports dataset).
     bad += [f"{m} imports {d}: dataset/ is the bottom layer" for m, deps in sorted(graph.items())
-            if m.startswith(f"{ROOT}.dataset") for d in sorted(deps) if d == f"{ROOT}.config"]
+            if m.startswith(f"{ROOT}.dataset") for d in sorted(deps)
+            if d == f"{ROOT}.config" or d.startswith(f"{ROOT}.config.")]
     return bad
 
 

@@ -1,4 +1,4 @@
-"""Thinking and sampling mixes (config/sampling.py and where they reach): the thinking quota, the
+"""Thinking and sampling mixes (dataset/sampling.py and where they reach): the thinking quota, the
 sampling keys' checks, the request body, the rows' labels, the pins."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dflash_pipeline.config import ConfigError, RunConfig
-from dflash_pipeline.config.sampling import (
+from dflash_pipeline.dataset.sampling import (
     DIALECTS,
     SamplingError,
     ThinkingQuota,

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_pipeline.config.sampling import SamplingError, check_overrides
+from dflash_pipeline.dataset.sampling import SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 from dflash_pipeline.dataset.sources import SourceError, is_glob, parse_sources
 
@@ -454,7 +454,7 @@ class Sampling:
     seed: int | None = None
     regenerate: str = "last_turn"
     samples_per_prompt: int = 1
-    # Mixes (config/sampling.py): the share of conversations that think (None: enable_thinking for
+    # Mixes (dataset/sampling.py): the share of conversations that think (None: enable_thinking for
     # all), extra sampling fields for every request, and per-sample overrides (sample k: entry k % len).
     thinking_fraction: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)

@@ -149,7 +149,7 @@ def heldout_row(p: Prompt) -> dict[str, Any]:
         row["domain"] = p.domain
     if p.metadata:
         row["metadata"] = p.metadata
-    if p.thinking is not None:  # the row's own mix settings (config/sampling.py), so the eval sees them too
+    if p.thinking is not None:  # the row's own mix settings (dataset/sampling.py), so the eval sees them too
         row["enable_thinking"] = p.thinking
     if p.sampling:
         row["sampling"] = p.sampling

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from dflash_pipeline.config.sampling import parse_row_mix, row_mix_keys
+from dflash_pipeline.dataset.sampling import parse_row_mix, row_mix_keys
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Prompt:
     # The row's `metadata` object plus its other extra keys; None when it has neither.
     metadata: dict[str, Any] | None = None
     # The row's own thinking mode (`enable_thinking`, or `thinking` when a bool) and sampling overrides
-    # (its `sampling` object); None when it gives none (config/sampling.py parse_row_mix).
+    # (its `sampling` object); None when it gives none (dataset/sampling.py parse_row_mix).
     thinking: bool | None = None
     sampling: dict[str, Any] | None = None
 
@@ -381,7 +381,7 @@ def normalize_row(row: Any, line: int, regenerate: str = "last_turn") -> Prompt 
             return Reject(line, "'id' is empty", code=R_ID)
         if len(pid) > MAX_ID_LEN:
             return Reject(line, f"'id' is longer than {MAX_ID_LEN} characters", code=R_ID)
-    # Thinking and sampling mix (owner: config/sampling.py); these keys are settings, not metadata.
+    # Thinking and sampling mix (owner: dataset/sampling.py); these keys are settings, not metadata.
     mix = parse_row_mix(row)
     if isinstance(mix, str):
         return Reject(line, mix, code=R_MIX)

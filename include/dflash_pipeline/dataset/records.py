@@ -45,10 +45,10 @@ TOKEN_IDS_TYPE = pa.list_(pa.int32())
 ROW_LABEL_FIELDS = [("source", pa.string()), ("domain", pa.string()), ("metadata", pa.string())]
 ROW_LABEL_COLUMNS = tuple(name for name, _ in ROW_LABEL_FIELDS)
 THINKING_FIELD = ("thinking", pa.bool_())
-# The sampling fields a completion row's request carried (config/sampling.py sampling_json: JSON, sorted
+# The sampling fields a completion row's request carried (dataset/sampling.py sampling_json: JSON, sorted
 # keys: max_tokens, temperature, top_p, seed when set, and any extra); null on error rows.
 SAMPLING_FIELD = ("sampling", pa.string())
-# A planned row's mix, decided at plan (config/sampling.py): its thinking mode (null: the run's
+# A planned row's mix, decided at plan (dataset/sampling.py): its thinking mode (null: the run's
 # enable_thinking) and its input row's sampling overrides (JSON object, null: none).
 INPUT_MIX_FIELDS = [THINKING_FIELD, ("sampling_override", pa.string())]
 INPUT_MIX_COLUMNS = tuple(name for name, _ in INPUT_MIX_FIELDS)

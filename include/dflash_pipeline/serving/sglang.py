@@ -27,7 +27,7 @@ import numpy as np
 import requests
 
 from dflash_pipeline.config import Sampling
-from dflash_pipeline.config.sampling import SAMPLING_KEYS, request_sampling
+from dflash_pipeline.dataset.sampling import SAMPLING_KEYS, request_sampling
 from dflash_pipeline.serving.engines import (
     Engine,
     adapter,
@@ -154,7 +154,7 @@ def build_chat_body(
     what makes a speculating server return each answer's statistics (specwire.request_fields).
 
     Sampling fields: the run's (with `sampling.extra`), then the sample's `sampling.ladder` entry,
-    then the row's `overrides` (config/sampling.py). `thinking`: the row's mode (None: the run's
+    then the row's `overrides` (dataset/sampling.py). `thinking`: the row's mode (None: the run's
     enable_thinking). `max_tokens_cap` (probes, the preflight proof): a short answer whatever the
     overrides say, with `min_tokens` lowered to fit it."""
     fields = request_sampling(sampling.base_fields(), sampling.ladder, sample, overrides)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dflash_pipeline.config import RunConfig
-from dflash_pipeline.config.sampling import ThinkingQuota
+from dflash_pipeline.dataset.sampling import ThinkingQuota
 from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.prompts import R_ID_CONFLICT, Prompt, PromptFileError, Reject, iter_prompt_file

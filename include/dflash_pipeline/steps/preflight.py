@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_pipeline.config import ConfigError, RunConfig
-from dflash_pipeline.config.sampling import DIALECTS, unsupported_keys
+from dflash_pipeline.dataset.sampling import DIALECTS, unsupported_keys
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries

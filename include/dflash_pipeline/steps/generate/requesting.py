@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from dflash_pipeline.config.sampling import sampling_json
+from dflash_pipeline.dataset.sampling import sampling_json
 from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
 from dflash_pipeline.serving.sglang import RequestFailure, build_chat_body, chat_once, sent_sampling
 from dflash_pipeline.steps.generate.conversation import (
