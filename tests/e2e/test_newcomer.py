@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 SLOT = "[^/]+"
+NEWCOMER_PROMPTS = 120
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -60,7 +61,11 @@ def test_key_pattern_matches_real_keys() -> None:
 def test_a_newcomer_reaches_a_finished_run_and_a_tokenized_dataset(tmp_path: Path) -> None:
     commands = readme_commands()
     assert commands and commands[-1].startswith("make demo"), commands
-    env = {**os.environ, "DEMO_ARGS": f"--keep --home {tmp_path / 'demo'}"}
+    # A smaller prompt set than the demo's own keeps this tier's cost down (CI must stay under ~45 min);
+    # the command run is still the README's, and the path through Airflow, S3 and the fleet the same.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((REPO / "data" / "sample_prompts.jsonl").read_text().splitlines(True)[:NEWCOMER_PROMPTS]))
+    env = {**os.environ, "DEMO_ARGS": f"--keep --home {tmp_path / 'demo'} --prompts {prompts}"}
     for command in commands[:-1]:
         subprocess.run(["bash", "-c", command], cwd=REPO, env=env, check=True, timeout=900)
 
