@@ -76,6 +76,17 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "a dataset planned before it had a split, or a benchmark named later. Pinned with the settings.",
         "section": SECTION_TOKENIZE,
     },
+    "min_kept_share": {
+        "type": "number",
+        "default": 0.5,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "Fail the run (after writing tokenized/report.json with the reasons) when the training rows "
+        "kept are fewer than this share of the rows counted (kept + dropped for any reason but heldout). Catches a "
+        "wrong tokenizer, a filter that flags everything, a dataset of errors. 0 turns the gate off (a run that "
+        "keeps no row still fails).",
+        "section": SECTION_TOKENIZE,
+    },
     "workers": {
         "type": "integer",
         "default": 4,
@@ -159,6 +170,7 @@ class TokenizeConfig:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
+    min_kept_share: float = TOKENIZE_PARAM_SCHEMAS["min_kept_share"]["default"]
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":

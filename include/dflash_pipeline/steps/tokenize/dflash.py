@@ -55,6 +55,8 @@ class FilterResult:
     dropped: dict[str, int] = field(default_factory=dict)
     cut: int = 0
     """Rows longer than max_length that were cut and kept."""
+    dropped_rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per reason, the indices (in the input table) of the rows dropped for it."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows_kept": int(len(self.kept)), "dropped": dict(self.dropped), "cut_to_max_length": self.cut}
@@ -107,6 +109,7 @@ def dflash_ready(
     for code, (_, failed) in enumerate(checks):
         reason[(reason == -1) & failed] = code
     dropped = {name: int(np.sum(reason == code)) for code, (name, _) in enumerate(checks) if np.any(reason == code)}
+    dropped_rows = {name: np.nonzero(reason == code)[0] for code, (name, _) in enumerate(checks) if np.any(reason == code)}
     kept = np.nonzero(reason == -1)[0]
     cut_rows = lengths > max_length
 
@@ -127,4 +130,4 @@ def dflash_ready(
         for name, arr in replace.items():
             out = out.set_column(out.schema.get_field_index(name), out.schema.field(name), arr)
     return FilterResult(table=out.take(pa.array(kept, type=pa.int64())), kept=kept, dropped=dropped,
-                        cut=int(np.sum(cut_rows[kept])) if len(kept) else 0)
+                        cut=int(np.sum(cut_rows[kept])) if len(kept) else 0, dropped_rows=dropped_rows)
