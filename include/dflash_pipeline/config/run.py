@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 SECTION_DATA = "Data"
@@ -312,6 +313,8 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "section": SECTION_VALIDATION,
     },
 }
+
+PARAM_SCHEMAS.update(QUALITY_PARAM_SCHEMAS)  # validation counts the quality signals (config/quality.py)
 
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
 
