@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
@@ -151,6 +152,31 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
 
+# -- quality filtering and gates (issue 32; steps/tokenize/gates.py, steps/tokenize/qualityfilter.py) --------
+QUALITY_FLAG_NAMES = ("loop_reasoning", "loop_answer", "truncated_thinking", "empty_answer", "refusal",
+                      "near_duplicate", "language")
+"""steps.quality.QUALITY_FLAGS (config cannot import steps; a unit test keeps the two equal)."""
+ROW_QUALITY_PARAMS = ("loop_ngram", "loop_min_span_tokens", "loop_min_repeats", "loop_max_period", "refusal_patterns",
+                      "refusal_scan_chars", "languages", "language_min_score", "language_min_chars")
+"""The quality params that decide a row's signals, taken by tokenize too (same names, schemas and defaults as
+dflash_generate's validation), pinned with the settings."""
+GATE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "drop_quality": {
+        "type": "array",
+        "default": list(QUALITY_FLAG_NAMES),
+        "uniqueItems": True,
+        "items": {"type": "string", "enum": list(QUALITY_FLAG_NAMES)},
+        "description": "Quality flags whose rows are dropped (each counted as 'quality:<flag>' in the report and the "
+        "card, by thinking mode and domain): repetition loops in reasoning or answer, thinking cut at max_tokens, "
+        "empty answers, refusals (refusal_patterns), near-duplicate prompts (found at validation), answers not in "
+        "'languages' (only when that list is given). [] keeps every row. docs/quality.md explains each flag.",
+        "section": SECTION_TOKENIZE,
+    },
+}
+TOKENIZE_PARAM_SCHEMAS.update(GATE_PARAM_SCHEMAS)
+TOKENIZE_PARAM_SCHEMAS.update({name: {**QUALITY_PARAM_SCHEMAS[name], "section": SECTION_TOKENIZE}
+                               for name in ROW_QUALITY_PARAMS})
+
 
 @dataclass(frozen=True)
 class TokenizeConfig:
@@ -171,6 +197,9 @@ class TokenizeConfig:
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
     min_kept_share: float = TOKENIZE_PARAM_SCHEMAS["min_kept_share"]["default"]
+    drop_quality: tuple[str, ...] = QUALITY_FLAG_NAMES
+    quality: tuple[tuple[str, Any], ...] = ()
+    """The ROW_QUALITY_PARAMS given (name, value); missing ones take their defaults."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -191,4 +220,16 @@ class TokenizeConfig:
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
+        values["drop_quality"] = tuple(f for f in QUALITY_FLAG_NAMES if f in values["drop_quality"])
+        quality = {n: values.pop(n) for n in ROW_QUALITY_PARAMS}
+        values["quality"] = tuple((n, tuple(v) if isinstance(v, list) else v) for n, v in quality.items())
+        from dflash_pipeline.config.quality import compile_patterns
+
+        compile_patterns(quality["refusal_patterns"])  # a bad pattern is refused here, before any worker
         return cls(**values)
+
+    def quality_params(self) -> dict[str, Any]:
+        """The row-signal quality params, every one (defaults filled in), JSON-ready."""
+        given = dict(self.quality)
+        return {n: (list(v) if isinstance(v, tuple) else v) for n, v in
+                ((n, given.get(n, QUALITY_PARAM_SCHEMAS[n]["default"])) for n in ROW_QUALITY_PARAMS)}

@@ -43,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
+from dflash_pipeline.config.tokenize import QUALITY_FLAG_NAMES
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
@@ -125,6 +126,10 @@ class TokenizeSettings:
     require_consecutive_loss_tokens: bool = True
     format: int = SETTINGS_FORMAT
     heldout_uri: str | None = None  # ids refused on top of the manifest's split (steps/tokenize/heldout.py)
+    drop_quality: tuple[str, ...] = QUALITY_FLAG_NAMES
+    """Quality flags whose rows are dropped (steps/tokenize/qualityfilter.py)."""
+    quality: dict[str, Any] = field(default_factory=dict)
+    """The row-signal quality params (config.tokenize.ROW_QUALITY_PARAMS) the flags are computed with."""
 
     def __post_init__(self) -> None:
         if self.train_turns not in TRAIN_TURNS:
@@ -135,6 +140,7 @@ class TokenizeSettings:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["profiles"] = list(self.profiles)
+        out["drop_quality"] = list(self.drop_quality)
         return out
 
     @classmethod
@@ -143,6 +149,8 @@ class TokenizeSettings:
         values.setdefault("format", 1)  # pinned before this field existed: the old method
         if "profiles" in values:
             values["profiles"] = tuple(values["profiles"])
+        values["drop_quality"] = tuple(values.get("drop_quality", ()))  # pinned before quality filtering: none
+        values["quality"] = dict(values.get("quality") or {})
         return cls(**values)
 
 

@@ -30,7 +30,11 @@ from dflash_pipeline.dataset.heldout import HeldoutSplit
 from dflash_pipeline.steps.tokenize.exact import PartStats, TokenizeSettings, TrainingRowBuilder, tokenize_table
 from dflash_pipeline.steps.tokenize.gates import add_breakdown, breakdown_lines, failure_message, gate, sorted_breakdown
 from dflash_pipeline.steps.tokenize.heldout import DROP_HELDOUT, load_heldout, split_summary
+from dflash_pipeline.steps.quality.near_dup import load_near_duplicates
+from dflash_pipeline.steps.quality.signals import SIGNAL_COLUMNS
+from dflash_pipeline.steps.tokenize.exact import RowFilter
 from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile_globs
+from dflash_pipeline.steps.tokenize.qualityfilter import NEAR_DUPLICATE, quality_filter
 from dflash_pipeline.steps.tokenize.rowlabels import LABEL_COLUMNS, labels_by_unit, with_labels
 from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
 from dflash_pipeline.steps.validate.tokencount import load_recounter
@@ -39,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 REPORT_FORMAT = "dflash-pipeline/tokenized/2"
 READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
-                "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", *LABEL_COLUMNS)
+                "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", *LABEL_COLUMNS,
+                *SIGNAL_COLUMNS)
 
 
 class TokenizeFailed(Exception):
@@ -102,7 +107,8 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                             keep_unverified=cfg.keep_unverified, profiles=cfg.profiles,
                             min_loss_tokens=cfg.min_loss_tokens,
                             require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens,
-                            heldout_uri=cfg.heldout_uri)
+                            heldout_uri=cfg.heldout_uri, drop_quality=cfg.drop_quality,
+                            quality=cfg.quality_params())
 
 
 def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
@@ -182,15 +188,18 @@ _CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "applica
 
 
 def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any,
-                  split: HeldoutSplit | None = None) -> tuple[str, PartStats]:
-    """Build one completions part's training rows (held-out conversations refused first, the input rows'
-    labels carried onto them) and write every profile's file, then its stats (the part's commit point).
-    Returns ("written" | "lost_race", stats)."""
+                  split: HeldoutSplit | None = None, quality: RowFilter | None = None) -> tuple[str, PartStats]:
+    """Build one completions part's training rows (held-out conversations refused first, then rows with a
+    quality flag of drop_quality; the input rows' labels carried onto them) and write every profile's file,
+    then its stats (the part's commit point). Returns ("written" | "lost_race", stats)."""
     s = ct.settings
-    filters = []
+    filters: list[RowFilter] = []
     if split is not None and split.active:
         filters.append(lambda row: DROP_HELDOUT if split.holds(row["id"]) else None)
-    out, conversations, stats = tokenize_table(table, ct, row_filters=filters)
+    if quality is not None:
+        filters.append(quality)
+    out, conversations, stats = tokenize_table(table, ct, row_filters=filters,
+                                               extra_columns=SIGNAL_COLUMNS if quality is not None else ())
     out = with_labels(out, labels_by_unit(table, s.enable_thinking), s.enable_thinking)
     files = build_profile_files(out, chunk, s.profiles, thinking=s.enable_thinking, conversations=conversations)
     stats.profiles = files.to_dict()
@@ -211,6 +220,8 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
         settings = TokenizeSettings.from_dict(job["settings"])
         ct = load_tokenizer(client, settings)
         split = load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)
+        duplicates = load_near_duplicates(store, layout) if NEAR_DUPLICATE in settings.drop_quality else {}
+        quality = quality_filter(settings.drop_quality, settings.quality, duplicates)
 
         def fetch(c: int) -> Any:
             if with_retries(lambda: store.head(layout.tokenized_stats_key(c)), what="head part") is not None:
@@ -228,7 +239,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
                     summary["present"] += 1
                     logger.info("part %d of %s is already tokenized; skipped", c, layout.uri)
                     continue
-                status, stats = tokenize_part(store, layout, c, ct, table, split)
+                status, stats = tokenize_part(store, layout, c, ct, table, split, quality)
                 summary[status] += 1
                 summary["rows"] += stats.rows_out
                 summary["tokens"] += stats.tokens
