@@ -110,7 +110,7 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 # -- what the trainers read (issue 23): output profiles and DFlash-ready rows. One block; the sources of the
 # defaults are in steps/tokenize/dflash.py and docs/trainers.md.
 TOKENIZE_PROFILES = ("parquet", "specforge", "speculators")
-DFLASH_MIN_LOSS_TOKENS = 32  # 2 x SpecForge's DFlash block size 16
+DFLASH_MIN_LOSS_TOKENS = 2  # SpecForge 0.2.0's DFlash rule (dflash_min_loss_tokens); why: docs/quality.md "Tokenize gates"
 TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "max_length": {
         "type": "integer",
@@ -138,8 +138,10 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": DFLASH_MIN_LOSS_TOKENS,
         "minimum": 0,
         "maximum": 1048576,
-        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report. "
-        "Default 2 x DFlash's block size 16; SpecForge 0.2.0 itself requires only 2.",
+        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report by "
+        "thinking mode and domain. Default 2, SpecForge 0.2.0's own DFlash rule: a higher floor drops short answers, "
+        "mostly thinking-off ones (32 dropped 89% of the demo's thinking-off turns, 27% of thinking-on: "
+        "docs/quality.md).",
         "section": SECTION_TOKENIZE,
     },
     "require_consecutive_loss_tokens": {
