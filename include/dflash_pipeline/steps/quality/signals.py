@@ -93,6 +93,8 @@ def is_refusal(answer: str | None, settings: QualitySettings) -> bool:
     return any(r.search(head) for r in settings.refusal_regexes)
 
 
+NO_LANGUAGE = "zxx"
+"""py3langid's label for text without linguistic content (tables, formulas): undetermined here."""
 _IDENTIFIER: Any = None
 _IDENTIFIER_LOCK = threading.Lock()
 
@@ -105,7 +107,11 @@ def _identifier() -> Any:
             if _IDENTIFIER is None:
                 from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
-                _IDENTIFIER = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+                ident = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+                # The two-letter (ISO 639-1) languages and zxx (no linguistic content): py3langid 0.4 also
+                # has varieties (wuu, yue next to zh; ary, arz next to ar) that would split one language.
+                ident.set_languages([c for c in ident.nb_classes if len(c) == 2 or c == NO_LANGUAGE])
+                _IDENTIFIER = ident
     return _IDENTIFIER
 
 
@@ -126,7 +132,7 @@ def identify_language(answer: str | None, settings: QualitySettings) -> tuple[st
         return None, None
     lang, score = _identifier().classify(prose)
     score = round(float(score), 4)
-    if score < settings.language_min_score:
+    if score < settings.language_min_score or lang == NO_LANGUAGE:
         return None, score
     return str(lang), score
 
