@@ -125,7 +125,7 @@ QUALITY_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "near_duplicate_threshold": {
         "type": "number",
-        "default": 0.8,
+        "default": 0.9,
         "minimum": 0.5,
         "maximum": 1,
         "description": "Near-duplicate prompts: MinHash (datasketch) estimated Jaccard similarity of the prompts' "
@@ -158,7 +158,7 @@ class QualitySettings:
     languages: tuple[str, ...] | None = None
     language_min_score: float = 0.8
     language_min_chars: int = 24
-    near_duplicate_threshold: float = 0.8
+    near_duplicate_threshold: float = 0.9
     near_duplicate_num_perm: int = 128
     refusal_regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 

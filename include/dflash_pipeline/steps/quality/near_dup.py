@@ -68,7 +68,7 @@ class NearDuplicateFinder:
     Memory: one uint32 signature of num_perm values per prompt (512 bytes at 128) plus its id, and at
     `finish` datasketch's LSH index of the kept prompts (measured in docs/quality.md)."""
 
-    def __init__(self, threshold: float = 0.8, num_perm: int = 128) -> None:
+    def __init__(self, threshold: float = 0.9, num_perm: int = 128) -> None:
         from datasketch import MinHash
 
         self.threshold = threshold
