@@ -201,6 +201,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
     """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`).
     With `run_id`, first copy each server's in-flight limit over the run into the manifest."""
     from dflash_pipeline.steps.handoff import event_extra
+    from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.steps.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
@@ -211,7 +212,8 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
         max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
     )
     with _fail_fast():
-        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer)
+        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
+                                quality=QualitySettings.from_params(params))
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
         "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",
