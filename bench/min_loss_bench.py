@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/min_loss_bench.py                      # the demo's prompts and simulator settings
     .venv/bin/python bench/min_loss_bench.py --prompts 500 --length-scale 1.0
+    .venv/bin/python bench/min_loss_bench.py --filter-cost 400     # the quality filter's rows/s on one core
 
 The demo's data (data/sample_prompts.jsonl, regenerate=all_turns) answered by the simulator's length and text
 model (dev/sim/lengths.py: the demo's length_scale 0.05, max_tokens 4096) with Qwen's real BPE and a Qwen3.6-style
@@ -48,12 +49,43 @@ def sim_rows(prompts: list[Any], tok_dir: Path, thinking: bool, length_scale: fl
     return rows
 
 
+def filter_cost(n: int) -> dict[str, Any]:
+    """The default quality filter's time per completion row (tokenize_bench's rows: ~2k-token conversations of
+    prose and code, 1 in 10 cut at max_tokens), without and with a `languages` list; py3langid loaded first."""
+    import time
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from tokenize_bench import make_rows
+
+    from dflash_pipeline.config import TokenizeConfig
+    from dflash_pipeline.dev.qwen_tokenizer import copy_with_template, ensure_qwen_tokenizer
+    from dflash_pipeline.steps.tokenize.qualityfilter import quality_filter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = make_rows(n, str(copy_with_template(Path(tmp) / "q", "qwen3.6", source=ensure_qwen_tokenizer())))
+    out: dict[str, Any] = {"rows": n}
+    for name, params in (("default", {}), ("languages_en", {"languages": ["en"]})):
+        cfg = TokenizeConfig.from_params(params)
+        qf = quality_filter(cfg.drop_quality, cfg.quality_params(), {})
+        assert qf is not None
+        qf(rows[0])
+        t = time.perf_counter()
+        got = [qf(r) for r in rows]
+        dt = time.perf_counter() - t
+        out[name] = {"rows_per_s": round(n / dt), "dropped": {k: got.count(k) for k in set(got) if k}}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=2000)
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--filter-cost", type=int, default=0, help="measure the quality filter on this many rows instead")
     args = ap.parse_args()
+    if args.filter_cost:
+        print(json.dumps(filter_cost(args.filter_cost), indent=1))
+        return 0
 
     import numpy as np
     import pyarrow as pa

@@ -15,6 +15,7 @@ The whole completion row goes: a conversation with one looping turn is not train
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,10 @@ def quality_filter(drop_quality: Sequence[str], params: Mapping[str, Any],
     if not wanted:
         return None
     settings = QualitySettings.from_params(params)
+    if "language" not in wanted or settings.languages is None:
+        # The language signal decides nothing here: identify no language (a text shorter than
+        # language_min_chars has none), which saves py3langid's time, about 40% of the signals' cost.
+        settings = dataclasses.replace(settings, language_min_chars=1 << 62)
     need_signals = any(f != NEAR_DUPLICATE and (f != "language" or settings.languages is not None) for f in wanted)
 
     def refuse(row: Mapping[str, Any]) -> str | None:
