@@ -141,7 +141,7 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "maximum": 1048576,
         "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report by "
         "thinking mode and domain. Default 2, SpecForge 0.2.0's own DFlash rule: a higher floor drops short answers, "
-        "mostly thinking-off ones (32 dropped 89% of the demo's thinking-off turns, 27% of thinking-on: "
+        "mostly thinking-off ones (32 dropped 90% of the demo's thinking-off turns, 23% of thinking-on: "
         "docs/quality.md).",
         "section": SECTION_TOKENIZE,
     },
