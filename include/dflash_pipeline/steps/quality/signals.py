@@ -153,7 +153,7 @@ def turns_of(row: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
     (steps/generate/conversation.py); older rows are one turn: `reasoning`, `content`, `finish_reason`."""
     conv = row.get("conversation")
     turns = row.get("turns")
-    if conv and turns and len(turns) > 1:
+    if conv is not None and turns is not None and len(turns) > 1:  # lists (pyarrow) or arrays (pandas)
         positions = [i for i, m in enumerate(conv) if m.get("role") == "assistant"]
         if len(turns) <= len(positions):
             picked = positions[len(positions) - len(turns):]
