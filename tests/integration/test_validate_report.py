@@ -203,8 +203,10 @@ def test_consumer_dag_is_triggered_and_receives_the_fields(handoff_run: dict[str
     # every completion is one training row (single-turn prompts), kept unless DFlash cannot train on it
     dropped = dict(summary["dropped_by_reason"])
     assert dropped.pop("error_row") == extra["errors"] and summary["unverified"] == 0, summary
-    # thinking cut at max_tokens (120 here) is dropped by the default drop_quality; the gate passed
-    assert set(dropped) <= {"fewer_than_min_loss_tokens", "quality:truncated_thinking"}, dropped
+    # the default drop_quality drops thinking cut at max_tokens (120 here) and the planted near-duplicates
+    # (unless flagged first as truncated); the gate passed
+    assert set(dropped) <= {"fewer_than_min_loss_tokens", "quality:truncated_thinking", "quality:near_duplicate"}, dropped
+    assert dropped.get("quality:near_duplicate", 0) <= N_NEAR_DUPS, dropped
     assert summary["gate"]["passed"], summary["gate"]
     assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] + sum(dropped.values()) == extra["completions"]
     assert summary["rows_out"] > 0 and 0 < summary["loss_tokens"] < summary["tokens"]
