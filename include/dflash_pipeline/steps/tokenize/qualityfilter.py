@@ -37,7 +37,8 @@ def quality_filter(drop_quality: Sequence[str], params: Mapping[str, Any],
     settings = QualitySettings.from_params(params)
     if "language" not in wanted or settings.languages is None:
         # The language signal decides nothing here: identify no language (a text shorter than
-        # language_min_chars has none), which saves py3langid's time, about 40% of the signals' cost.
+        # language_min_chars has none), which saves py3langid's time: 663 rows/s instead of 347
+        # (bench/min_loss_bench.py --filter-cost 400, one core).
         settings = dataclasses.replace(settings, language_min_chars=1 << 62)
     need_signals = any(f != NEAR_DUPLICATE and (f != "language" or settings.languages is not None) for f in wanted)
 
