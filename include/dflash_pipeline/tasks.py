@@ -206,6 +206,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
     """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`).
     With `run_id`, first copy each server's in-flight limit over the run into the manifest."""
     from dflash_pipeline.steps.handoff import event_extra
+    from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.steps.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
@@ -216,7 +217,8 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
         max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
     )
     with _fail_fast():
-        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer)
+        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
+                                quality=QualitySettings.from_params(params))
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
         "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",
@@ -297,9 +299,10 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
     cfg = tokenize_config(params)
     client = s3_client(cfg.aws_conn_id)
     keys = ("output_uri", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
-            "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length")
+            "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length",
+            "gate", "dropped_by_thinking")
     with _fail_fast():
-        summaries = [{k: r[k] for k in keys} for r in (write_report(client, d) for d in datasets)]
+        summaries = [{k: r[k] for k in keys} for r in (write_report(client, d, cfg.min_kept_share) for d in datasets)]
     if outlet_events is not None:
         outlet_events[tokenized_asset()].extra = {"format": TOKENIZED_FORMAT, "datasets": summaries}
     return summaries

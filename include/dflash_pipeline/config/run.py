@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_pipeline.dataset.sampling import SamplingError, check_overrides
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS, QualitySettings
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 from dflash_pipeline.dataset.sources import SourceError, is_glob, parse_sources
 
@@ -398,6 +399,8 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 
+PARAM_SCHEMAS.update(QUALITY_PARAM_SCHEMAS)  # validation counts the quality signals (config/quality.py)
+
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
 
 # -- the trigger form: essentials first, everything else under "Advanced: <section>" --------------------
@@ -520,6 +523,7 @@ class RunConfig:
             raise ConfigError(f"required param(s) missing: {missing}")
         for name, value in params.items():
             _check_schema(name, value, PARAM_SCHEMAS[name])
+        QualitySettings.from_params(params)  # a refusal pattern that is not a regex is refused here
         try:
             specs = parse_sources(params["prompts_uri"])
             out = parse_s3_uri(params["output_uri"], what="output_uri")
