@@ -211,7 +211,8 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
         max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
     )
     with _fail_fast():
-        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer)
+        report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
+                                target_mix=cfg.target_mix)
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
         "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",

@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash_pipeline.config.mix import target_mix_schema
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 SECTION_DATA = "Data"
@@ -311,6 +312,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "holding tokenizer.json (+ tokenizer_config.json with the chat template). Null = no recount.",
         "section": SECTION_VALIDATION,
     },
+    "target_mix": target_mix_schema(SECTION_VALIDATION),
 }
 
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
@@ -361,6 +363,7 @@ class RunConfig:
     heldout_fraction: float = 0.0
     heldout_salt: str = "dflash-heldout"
     heldout_uri: str | None = None
+    target_mix: dict[str, dict[str, float]] | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RunConfig":
@@ -397,6 +400,10 @@ class RunConfig:
                 parse_s3_uri(tokenizer, what="tokenizer")
             except UriError as exc:
                 raise ConfigError(str(exc)) from exc
+
+        from dflash_pipeline.config.mix import check_target_mix
+
+        target_mix = check_target_mix(params.get("target_mix"))
 
         def get(name: str) -> Any:
             return params.get(name, PARAM_SCHEMAS[name].get("default"))
@@ -437,6 +444,7 @@ class RunConfig:
             heldout_fraction=float(get("heldout_fraction")),
             heldout_salt=str(get("heldout_salt")),
             heldout_uri=get("heldout_uri") or None,
+            target_mix=target_mix,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -456,6 +464,7 @@ def _check_schema(name: str, value: Any, schema: dict[str, Any]) -> None:
         "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         "boolean": lambda v: isinstance(v, bool),
         "array": lambda v: isinstance(v, (list, tuple)),
+        "object": lambda v: isinstance(v, dict),
     }
     if types and not any(py_ok[t](value) for t in types):
         raise ConfigError(f"param {name}: {value!r} is not of type {' or '.join(types)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_pipeline.config.mix import check_target_mix, target_mix_schema
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
@@ -139,6 +140,7 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
+TOKENIZE_PARAM_SCHEMAS["target_mix"] = target_mix_schema(SECTION_TOKENIZE)  # the mix report's target (report only)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class TokenizeConfig:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
+    target_mix: dict[str, dict[str, float]] | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -176,6 +179,7 @@ class TokenizeConfig:
                 except UriError as exc:
                     raise ConfigError(str(exc)) from exc
         values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
+        values["target_mix"] = check_target_mix(params.get("target_mix"))
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
