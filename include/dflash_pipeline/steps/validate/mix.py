@@ -215,10 +215,7 @@ def markdown(mix: Mapping[str, Any] | None, title: str = "mix", plot_key: str | 
         if not rows:
             continue
         has_target = "max_abs_gap" in entry
-        head = ["label", "completions", "share"]
-        if before:
-            head[1:1] = ["before"]
-            head.insert(2, "share before")
+        head = ["label", *(["before"] if before else []), "completions", *(["share before"] if before else []), "share"]
         if has_target:
             head += ["target", "gap"]
         note = f" (largest gap {_pp(entry['max_abs_gap']).lstrip('+')})" if has_target else ""
