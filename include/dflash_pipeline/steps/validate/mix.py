@@ -246,6 +246,8 @@ def _plot_rows(entry: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def plot(mix: Mapping[str, Any], title: str) -> bytes:
     """Horizontal bars per dimension: the actual share of each label, and the target next to it."""
+    from matplotlib.ticker import PercentFormatter
+
     from dflash_pipeline.steps.validate.plots import _figure, _png
 
     dims = [(d, e) for d, e in mix["dimensions"].items() if e["rows"]]
@@ -271,8 +273,9 @@ def plot(mix: Mapping[str, Any], title: str) -> bytes:
                          label="target")
             ax.bar_label(tb, [_pct(r.get("target", 0.0)) for r in rows], padding=2, fontsize=7)
         ax.set_yticks(y, [str(r["label"])[:24] for r in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlim(0, min(1.0, max([*actual, *(r.get("target", 0.0) for r in rows), 0.05]) * 1.3))
+        ax.set_ylim(max(len(rows), 3) - 0.5, -0.5)  # first label on top; a lone bar stays a bar
+        ax.set_xlim(0, min(1.0, max([*actual, *(r.get("target", 0.0) for r in rows), 0.05])) * 1.25)
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
         ax.tick_params(axis="x", labelsize=7)
         gap = f" (largest gap {100 * entry['max_abs_gap']:.1f} pp)" if has_target else ""
         ax.set_title(f"{dim}{gap}", fontsize=9)
