@@ -135,6 +135,22 @@ class MixTally:
         return {"completions": self.completions, "by": {d: dict(c) for d, c in self.counts.items()}}
 
 
+def kept_counts(part: pa.Table, training_rows: pa.Table, default_thinking: bool | None) -> dict[str, Any]:
+    """Tokenize's after-filter counts for one part: its completions that kept at least one training row
+    (joined on (id, sample), unique within a part)."""
+    from dflash_pipeline.dataset.records import unit_keys
+
+    def keys(t: pa.Table) -> list[str]:
+        samples = t.column("sample").to_pylist() if "sample" in t.column_names else None
+        return unit_keys(t.column("id").to_pylist(), samples)
+
+    kept = set(keys(training_rows)) if training_rows.num_rows else set()
+    mask = pa.array([k in kept for k in keys(part)], type=pa.bool_())
+    tally = MixTally()
+    tally.add(part.filter(mask), default_thinking)
+    return tally.to_counts()
+
+
 def _ordered(dim: str, counts: Mapping[str, int], target: Mapping[str, float]) -> list[tuple[str, int]]:
     """Labels in a stable order: fixed dimensions in their own order, free text by count; long free-text
     tails summed under OTHER (target labels always kept)."""
