@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_pipeline.config.mix import target_mix_schema
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 SECTION_DATA = "Data"
@@ -314,6 +315,8 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "target_mix": target_mix_schema(SECTION_VALIDATION),
 }
+
+PARAM_SCHEMAS.update(QUALITY_PARAM_SCHEMAS)  # validation counts the quality signals (config/quality.py)
 
 REQUIRED_PARAMS = ("prompts_uri", "output_uri", "servers")
 

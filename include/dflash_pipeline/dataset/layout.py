@@ -120,6 +120,11 @@ class DatasetLayout:
         return self._k("rejects/rejects.jsonl")
 
     @property
+    def near_duplicates_key(self) -> str:
+        """Near-duplicate prompts found at validation (id, duplicate_of, similarity); rewritten whole."""
+        return self._k("quality/near_duplicates.parquet")
+
+    @property
     def heldout_prefix(self) -> str:
         return self._k("heldout/")
 

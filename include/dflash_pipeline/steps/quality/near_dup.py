@@ -1,0 +1,169 @@
+"""Near-duplicate prompts across the dataset, by MinHash LSH (datasketch), found at validation.
+
+Plan drops exact duplicate ids only; the same question reworded, re-cased or with a changed number
+over-weights one prompt in the mix. The prompt of a completion row is the text of its user turns.
+
+Deterministic whatever order the parts are read in: prompts are visited in id order (string order), the
+first of a group is kept and each later one whose estimated Jaccard similarity (word 3-grams) with a kept
+prompt reaches the threshold gets `duplicate_of` = the most similar kept prompt (on a tie the first).
+Only kept prompts are indexed, so a chain a~b~c keeps a and c when c is not similar to a.
+Every sample of an id has the same prompt: an id is one prompt.
+
+Owner of `<root>/quality/near_duplicates.parquet`: validation rewrites it whole on every run (same rows
+for the same completions, so a retried validation writes the same file). Tokenize reads it by id.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.store import Store, with_retries
+
+logger = logging.getLogger(__name__)
+
+SHINGLE = 3
+"""Word n-gram size of a prompt's set (a CJK character is a word)."""
+PROMPT_CHARS = 16_000
+"""A longer prompt is read as its first and last PROMPT_CHARS characters (bounds the cost per prompt)."""
+NEAR_DUP_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()), ("similarity", pa.float32())])
+SEED = 1
+SCHEME = "affine32"
+"""datasketch 2.0's default permutation scheme: 32-bit hash values, stored as uint32 (4 bytes a permutation)."""
+
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_WORD_RE = re.compile(rf"[{_CJK}]|[^\W_{_CJK}]+")
+
+
+def prompt_text(messages: Sequence[Mapping[str, Any]] | None) -> str:
+    """The user turns' text of a request, joined by newlines."""
+    return "\n".join((m.get("content") or "") for m in (messages or []) if m.get("role") == "user")
+
+
+def shingles(text: str) -> list[bytes]:
+    """The prompt's set of word 3-grams, lower-cased, punctuation dropped (fewer words: one shingle)."""
+    if len(text) > 2 * PROMPT_CHARS:
+        text = text[:PROMPT_CHARS] + "\n" + text[-PROMPT_CHARS:]
+    words = _WORD_RE.findall(text.lower())
+    if not words:
+        return []
+    if len(words) < SHINGLE:
+        return [" ".join(words).encode()]
+    return list({" ".join(words[i:i + SHINGLE]).encode() for i in range(len(words) - SHINGLE + 1)})
+
+
+class NearDuplicateFinder:
+    """Folds prompts in (any order), then `finish()` finds the near-duplicates in id order.
+
+    Memory: one uint32 signature of num_perm values per prompt (512 bytes at 128) plus its id, and at
+    `finish` datasketch's LSH index of the kept prompts (measured in docs/quality.md)."""
+
+    def __init__(self, threshold: float = 0.8, num_perm: int = 128) -> None:
+        from datasketch import MinHash
+
+        self.threshold = threshold
+        self.num_perm = num_perm
+        self._proto = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME)
+        self._ids: list[str] = []
+        self._sigs: list[np.ndarray] = []
+        self._batch: list[np.ndarray] = []
+        self.prompts = 0
+        self.empty = 0
+        self.seconds = 0.0
+
+    def add(self, ids: Iterable[str], prompts: Iterable[str]) -> None:
+        """Prompts and their ids (a repeated id, e.g. another sample, is read once at `finish`)."""
+        started = time.perf_counter()
+        last = None
+        for pid, text in zip(ids, prompts):
+            if pid == last:
+                continue
+            last = pid
+            sh = shingles(text)
+            if not sh:
+                self.empty += 1
+                continue
+            m = self._proto.copy()
+            m.update_batch(sh)
+            self._ids.append(pid)
+            self._batch.append(m.hashvalues.astype(np.uint32, copy=False))
+            if len(self._batch) >= 4096:
+                self._flush()
+        self.seconds += time.perf_counter() - started
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._sigs.append(np.stack(self._batch))
+            self._batch = []
+
+    def finish(self) -> list[tuple[str, str, float]]:
+        """(id, duplicate_of, similarity) of every near-duplicate, in id order."""
+        from datasketch import LeanMinHash, MinHashLSH
+
+        started = time.perf_counter()
+        self._flush()
+        if not self._ids:
+            return []
+        sigs = np.concatenate(self._sigs) if len(self._sigs) > 1 else self._sigs[0]
+        self._sigs = []
+        ids = np.asarray(self._ids, dtype=object)
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
+        out: list[tuple[str, str, float]] = []
+        last = None
+        self.prompts = 0
+        for pos in order:
+            pid = ids[pos]
+            if pid == last:
+                continue  # another sample of the same prompt
+            last = pid
+            self.prompts += 1
+            sig = sigs[pos]
+            m = LeanMinHash(seed=SEED, hashvalues=sig, scheme=SCHEME)
+            best, best_sim = None, -1.0
+            for cand in lsh.query(m):
+                sim = float(np.count_nonzero(sigs[cand] == sig)) / self.num_perm
+                if sim > best_sim or (sim == best_sim and ids[cand] < ids[best]):
+                    best, best_sim = cand, sim
+            if best is not None and best_sim >= self.threshold:
+                out.append((pid, ids[best], round(best_sim, 4)))
+            else:
+                lsh.insert(int(pos), m, check_duplication=False)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
+def encode_near_duplicates(rows: Sequence[tuple[str, str, float]]) -> bytes:
+    table = pa.Table.from_pylist([{"id": i, "duplicate_of": d, "similarity": s} for i, d, s in rows],
+                                 schema=NEAR_DUP_SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def write_near_duplicates(store: Store, layout: DatasetLayout, rows: Sequence[tuple[str, str, float]]) -> str:
+    """Write the whole list (an empty file when there is none: the search ran); same input, same bytes."""
+    data = encode_near_duplicates(rows)
+    key = layout.near_duplicates_key
+    with_retries(lambda: store.put(key, data, content_type="application/vnd.apache.parquet"), what=f"write {key}")
+    return key
+
+
+def load_near_duplicates(store: Store, layout: DatasetLayout) -> dict[str, str]:
+    """id -> duplicate_of from `<root>/quality/near_duplicates.parquet`; {} when validation never wrote it
+    (a dataset validated before quality signals, or with quality_signals off)."""
+    got = with_retries(lambda: store.get(layout.near_duplicates_key), what="read near_duplicates")
+    if got is None:
+        logger.info("no %s: no near-duplicate prompts are known for %s", layout.near_duplicates_key, layout.uri)
+        return {}
+    table = pq.ParquetFile(io.BytesIO(got[0])).read(columns=["id", "duplicate_of"])
+    return dict(zip(table.column("id").to_pylist(), table.column("duplicate_of").to_pylist()))

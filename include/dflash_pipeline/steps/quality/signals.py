@@ -1,0 +1,195 @@
+"""Per-row quality signals of a completion row: facts about the text a drafter would be trained on.
+
+A drafter learns loops, thinking cut at max_tokens and refusals as readily as good answers (issue 32).
+Validation counts these signals (steps/quality/tally.py); tokenize drops the flagged rows it is told to
+(`drop_quality`). Both call `row_signals` on the same row dict, so they agree on what a flag means.
+
+A row of an `all_turns` run holds several regenerated assistant turns: each turn is checked and the row
+is flagged when any turn is. Copied (not regenerated) assistant turns of the input are never checked.
+Language is identified on the regenerated answers together (py3langid).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from dflash_pipeline.config.quality import QualitySettings
+
+QUALITY_FLAGS = ("loop_reasoning", "loop_answer", "truncated_thinking", "empty_answer", "refusal",
+                 "near_duplicate", "language")
+"""Every flag a row can carry (tokenize's drop_quality takes a subset)."""
+
+SIGNAL_COLUMNS = ("q_loop_reasoning", "q_loop_answer", "q_truncated_thinking", "q_empty_answer", "q_refusal",
+                  "language", "language_score")
+"""The keys `row_signals` returns (near_duplicate comes from near_duplicates.parquet, by id)."""
+
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+TOKEN_RE = re.compile(rf"[{_CJK}]|[^\W{_CJK}]{{1,12}}|[^\w\s]{{1,8}}")
+"""Loop tokens: a CJK character, a word (a longer one cut into 12-character pieces, so '1111...' repeats),
+or a run of punctuation (8 at most, so a '=====' rule is a few tokens, not a loop)."""
+
+_CODE_BLOCK = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
+_MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|\\\[.*?\\\]|\\\(.*?\\\)", re.DOTALL)
+_LATEX_CMD = re.compile(r"\\[A-Za-z]+")
+_LETTER = re.compile(r"[^\W\d_]")
+LANGUAGE_CHARS = 2000
+"""Characters of the answer language ID reads (its cost grows with the text; 2,000 decide it)."""
+
+
+def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048) -> list[tuple[int, float]]:
+    """(tokens, repeats) of each unbroken stretch of `text` in which every n-gram occurred earlier within
+    `max_period` tokens; repeats = tokens / the stretch's median distance to the earlier copy (its period),
+    i.e. the copies of the repeating unit after its first.
+
+    Vectorised: n-gram hashes are built with wrapping uint64 arithmetic and a stable argsort finds each
+    one's previous occurrence (no Python loop over tokens).
+    """
+    tokens = TOKEN_RE.findall(text)
+    t = len(tokens) - ngram + 1
+    if t < 2:
+        return []
+    ids = np.fromiter((hash(x) for x in tokens), dtype=np.int64, count=len(tokens)).view(np.uint64)
+    h = np.zeros(t, dtype=np.uint64)
+    mult = np.uint64(0x100000001B3)
+    with np.errstate(over="ignore"):
+        for k in range(ngram):
+            h = h * mult + ids[k:k + t]
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    same = hs[1:] == hs[:-1]
+    prev = np.full(t, -1, dtype=np.int64)
+    prev[order[1:][same]] = order[:-1][same]
+    dist = np.arange(t, dtype=np.int64) - prev
+    rep = (prev >= 0) & (dist <= max_period)
+    if not rep.any():
+        return []
+    edges = np.diff(np.concatenate(([0], rep.astype(np.int8), [0])))
+    out = []
+    for s, e in zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()):
+        span = e - s + ngram - 1
+        out.append((span, span / max(float(np.median(dist[s:e])), 1.0)))
+    return out
+
+
+def is_loop(text: str | None, settings: QualitySettings) -> bool:
+    """Some stretch of at least loop_min_span_tokens repeating tokens holds loop_min_repeats copies of its
+    unit (a long stretch with too few copies, e.g. a code block written out twice, is not a loop)."""
+    if not text or len(text) < settings.loop_min_span_tokens:
+        return False
+    return any(span >= settings.loop_min_span_tokens and repeats >= settings.loop_min_repeats
+               for span, repeats in loop_stretches(text, settings.loop_ngram, settings.loop_max_period))
+
+
+def is_refusal(answer: str | None, settings: QualitySettings) -> bool:
+    """Any refusal pattern found in the first refusal_scan_chars of the answer."""
+    if not answer or not settings.refusal_regexes:
+        return False
+    head = answer[: settings.refusal_scan_chars]
+    return any(r.search(head) for r in settings.refusal_regexes)
+
+
+_IDENTIFIER: Any = None
+_IDENTIFIER_LOCK = threading.Lock()
+
+
+def _identifier() -> Any:
+    """py3langid's identifier with normalised probabilities, loaded once per process (~0.3 s)."""
+    global _IDENTIFIER
+    if _IDENTIFIER is None:
+        with _IDENTIFIER_LOCK:
+            if _IDENTIFIER is None:
+                from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+                _IDENTIFIER = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+    return _IDENTIFIER
+
+
+def prose_of(text: str) -> str:
+    """The natural-language part of an answer: code blocks, LaTeX math and commands taken out."""
+    text = _CODE_BLOCK.sub(" ", text[: LANGUAGE_CHARS * 4])
+    text = _MATH.sub(" ", text)
+    return _LATEX_CMD.sub(" ", text)[:LANGUAGE_CHARS]
+
+
+def identify_language(answer: str | None, settings: QualitySettings) -> tuple[str | None, float | None]:
+    """(language, score) of an answer's prose by py3langid; (None, None) when there are fewer than
+    language_min_chars letters; (None, score) when py3langid's best guess scores below language_min_score."""
+    if not answer:
+        return None, None
+    prose = prose_of(answer)
+    if len(_LETTER.findall(prose)) < settings.language_min_chars:
+        return None, None
+    lang, score = _identifier().classify(prose)
+    score = round(float(score), 4)
+    if score < settings.language_min_score:
+        return None, score
+    return str(lang), score
+
+
+def _open_thinking(content: str) -> bool:
+    """An answer that still holds an unclosed <think> (a server without a reasoning parser)."""
+    i = content.rfind("<think>")
+    return i >= 0 and content.find("</think>", i) < 0
+
+
+def turns_of(row: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
+    """(reasoning, answer, finish_reason) of each regenerated assistant turn, oldest first.
+
+    Rows with `conversation` + `turns` regenerated the last len(turns) assistant turns of the conversation
+    (steps/generate/conversation.py); older rows are one turn: `reasoning`, `content`, `finish_reason`."""
+    conv = row.get("conversation")
+    turns = row.get("turns")
+    if conv and turns and len(turns) > 1:
+        positions = [i for i, m in enumerate(conv) if m.get("role") == "assistant"]
+        if len(turns) <= len(positions):
+            picked = positions[len(positions) - len(turns):]
+            return [(conv[p].get("reasoning") or "", conv[p].get("content") or "", (turns[k] or {}).get("finish_reason"))
+                    for k, p in enumerate(picked)]
+    return [(row.get("reasoning") or "", row.get("content") or "", row.get("finish_reason"))]
+
+
+def row_signals(row: Mapping[str, Any], settings: QualitySettings) -> dict[str, Any]:
+    """The signal columns (SIGNAL_COLUMNS) of one completion row (a dict with the part's columns).
+
+    - q_loop_reasoning / q_loop_answer: a repetition loop (`is_loop`) in a turn's reasoning / answer;
+    - q_truncated_thinking: a turn stopped at max_tokens (finish_reason 'length') before its answer began
+      (empty answer, or an answer still inside an unclosed <think>);
+    - q_empty_answer: a turn that finished ('stop') with an empty answer;
+    - q_refusal: a turn's answer starts like a refusal (`refusal_patterns`);
+    - language, language_score: py3langid on the regenerated answers (None when undetermined).
+    """
+    out: dict[str, Any] = {"q_loop_reasoning": False, "q_loop_answer": False, "q_truncated_thinking": False,
+                           "q_empty_answer": False, "q_refusal": False, "language": None, "language_score": None}
+    answers: list[str] = []
+    for reasoning, answer, finish in turns_of(row):
+        empty = not answer.strip()
+        out["q_loop_reasoning"] |= is_loop(reasoning, settings)
+        out["q_loop_answer"] |= is_loop(answer, settings)
+        if finish == "length" and (empty or _open_thinking(answer)):
+            out["q_truncated_thinking"] = True
+        if finish == "stop" and empty:
+            out["q_empty_answer"] = True
+        out["q_refusal"] |= is_refusal(answer, settings)
+        if not empty:
+            answers.append(answer)
+    if answers:
+        out["language"], out["language_score"] = identify_language("\n".join(answers), settings)
+    return out
+
+
+def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]:
+    """The QUALITY_FLAGS a row's signals raise, in QUALITY_FLAGS order. `near_duplicate` when the signals
+    carry a non-empty `duplicate_of` (tokenize adds it from `load_near_duplicates`); `language` only when
+    `languages` is set and the identified language is not in it (an undetermined language is never flagged)."""
+    out = [f for f in QUALITY_FLAGS[:5] if signals.get(f"q_{f}")]
+    if signals.get("duplicate_of"):
+        out.append("near_duplicate")
+    lang = signals.get("language")
+    if settings.languages is not None and lang is not None and lang not in settings.languages:
+        out.append("language")
+    return out
