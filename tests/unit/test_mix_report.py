@@ -71,6 +71,9 @@ def test_language_column_is_counted_when_the_rows_carry_it() -> None:
     tally = mixreport.MixTally()
     tally.add(table)
     assert _by(mixreport.mix_report(tally.to_counts()), "language", "count") == {"de": 1, "en": 1, "unknown": 1}
+    given = mixreport.MixTally()  # computed by the quality signals, handed over per row of the part
+    given.add(_part([_row(0), _row(1, error_class="X"), _row(2)]), language=["fr", "xx", None])
+    assert _by(mixreport.mix_report(given.to_counts()), "language", "count") == {"fr": 1, "unknown": 1}
 
 
 def test_counts_of_parts_add_up() -> None:

@@ -109,8 +109,13 @@ class MixTally:
         self.counts: dict[str, Counter[str]] = {dim: Counter() for dim in MIX_DIMENSIONS}
         self.completions = 0
 
-    def add(self, part: pa.Table, default_thinking: bool | None = None) -> None:
-        """Count the completion rows of one part (error rows skipped)."""
+    def add(self, part: pa.Table, default_thinking: bool | None = None,
+            language: Sequence[str | None] | None = None) -> None:
+        """Count the completion rows of one part (error rows skipped). `language`: one value per row of
+        the part (the quality signals' `language`, when computed outside the part), used when the part
+        has no `language` column."""
+        if language is not None and "language" not in part.column_names:
+            part = part.append_column("language", pa.array(list(language), type=pa.string()))
         t = _completions(part)
         if t.num_rows == 0:
             return
