@@ -13,6 +13,7 @@ from typing import Any
 
 from dflash_pipeline.config.mix import target_mix_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
+from dflash_pipeline.config.sampling import SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 SECTION_DATA = "Data"
@@ -180,6 +181,42 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "description": "Sent as chat_template_kwargs.enable_thinking.",
         "section": SECTION_SAMPLING,
     },
+    "thinking_fraction": {
+        "type": ["null", "number"],
+        "default": None,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "Share of the conversations generated with thinking on (the rest off): a mixed "
+        "dataset in one run. Rows that give their own `enable_thinking` keep it; the others are assigned "
+        "in plan order, exactly this share per block of 64 conversations (which ones by a hash of the id), "
+        "so the mix is within one conversation per block of the fraction and the same on every rerun. "
+        "Every sample of a conversation has its mode. Null = enable_thinking for all rows. Pinned in the "
+        "manifest with the input (docs/mix.md).",
+        "section": SECTION_SAMPLING,
+    },
+    "sampling_extra": {
+        "type": ["null", "object"],
+        "default": None,
+        "description": "More sampling fields sent with every request, e.g. {\"top_k\": 20, \"min_p\": 0, "
+        "\"presence_penalty\": 1.5, \"stop\": [\"</answer>\"]}. Accepted keys: top_k, min_p, presence_penalty, "
+        "frequency_penalty, repetition_penalty, stop, stop_token_ids, min_tokens, ignore_eos, "
+        "skip_special_tokens, logit_bias, and the engine-only stop_regex, no_stop_trim (SGLang), "
+        "include_stop_str_in_output, spaces_between_special_tokens, bad_words, allowed_token_ids (vLLM); "
+        "unknown keys and wrong types are refused, and preflight refuses a key a server's engine does "
+        "not accept. A row's own `sampling` object overrides these per row. Null = none.",
+        "section": SECTION_SAMPLING,
+    },
+    "sampling_ladder": {
+        "type": ["null", "array"],
+        "default": None,
+        "minItems": 1,
+        "maxItems": 64,
+        "items": {"type": "object"},
+        "description": "Per-sample overrides: sample k is sent with entry k mod len over the run's "
+        "settings (a row's `sampling` still wins), e.g. [{\"temperature\": 0.6}, {\"temperature\": 1.0}] "
+        "with samples_per_prompt 2 for a temperature ladder. Same keys as sampling_extra. Null = none.",
+        "section": SECTION_SAMPLING,
+    },
     "seed": {
         "type": ["null", "integer"],
         "default": None,
@@ -336,6 +373,19 @@ class Sampling:
     seed: int | None = None
     regenerate: str = "last_turn"
     samples_per_prompt: int = 1
+    # Mixes (config/sampling.py): the share of conversations that think (None: enable_thinking for
+    # all), extra sampling fields for every request, and per-sample overrides (sample k: entry k % len).
+    thinking_fraction: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    ladder: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+
+    def base_fields(self) -> dict[str, Any]:
+        """The run's sampling fields of a request before per-sample and per-row overrides."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, **self.extra}
+
+    def override_keys(self) -> set[str]:
+        """Every sampling key the run's extras and ladder send (for preflight's per-engine check)."""
+        return set(self.extra).union(*(set(e) for e in self.ladder))
 
 
 @dataclass(frozen=True)
@@ -411,6 +461,14 @@ class RunConfig:
         def get(name: str) -> Any:
             return params.get(name, PARAM_SCHEMAS[name].get("default"))
 
+        try:
+            extra = check_overrides(get("sampling_extra") or {}, "param sampling_extra")
+            ladder = tuple(check_overrides(e, f"param sampling_ladder[{i}]")
+                           for i, e in enumerate(get("sampling_ladder") or []))
+        except SamplingError as exc:
+            raise ConfigError(str(exc)) from exc
+        fraction = get("thinking_fraction")
+
         sampling = Sampling(
             max_tokens=int(get("max_tokens")),
             temperature=float(get("temperature")),
@@ -419,6 +477,9 @@ class RunConfig:
             seed=None if get("seed") is None else int(get("seed")),
             regenerate=str(get("regenerate")),
             samples_per_prompt=int(get("samples_per_prompt")),
+            thinking_fraction=None if fraction is None else float(fraction),
+            extra=extra,
+            ladder=ladder,
         )
         return cls(
             prompts_uri=params["prompts_uri"],

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from dflash_pipeline.config.sampling import parse_row_mix, row_mix_keys
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
@@ -48,6 +50,10 @@ class Prompt:
     domain: str | None = None
     # The row's `metadata` object plus its other extra keys; None when it has neither.
     metadata: dict[str, Any] | None = None
+    # The row's own thinking mode (`enable_thinking`, or `thinking` when a bool) and sampling overrides
+    # (its `sampling` object); None when it gives none (config/sampling.py parse_row_mix).
+    thinking: bool | None = None
+    sampling: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,11 +188,21 @@ def normalize_row(row: Any, line: int, regenerate: str = "last_turn") -> Prompt 
             return Reject(line, "'id' is empty")
         if len(pid) > MAX_ID_LEN:
             return Reject(line, f"'id' is longer than {MAX_ID_LEN} characters")
-    labels = parse_labels(row)
+    # Thinking and sampling mix (owner: config/sampling.py); these keys are settings, not metadata.
+    mix = parse_row_mix(row)
+    if isinstance(mix, str):
+        return Reject(line, mix)
+    mix_keys = row_mix_keys(row)
+    labels = parse_labels({k: v for k, v in row.items() if k not in mix_keys} if mix_keys else row)
     if isinstance(labels, str):
         return Reject(line, labels)
-    digest = hashlib.sha256(canonical_messages(messages)).digest()[:16]
-    return Prompt(pid, messages, digest, line, original, *labels)
+    content = canonical_messages(messages)
+    if mix != (None, None):  # the same prompt in another mode is another conversation, not a duplicate
+        content += json.dumps({"thinking": mix[0], "sampling": mix[1]}, sort_keys=True).encode()
+        if raw_id is None:
+            pid = "h" + hashlib.sha256(content).hexdigest()[:24]
+    digest = hashlib.sha256(content).digest()[:16]
+    return Prompt(pid, messages, digest, line, original, *labels, thinking=mix[0], sampling=mix[1])
 
 
 def _excerpt(raw: bytes | str) -> str:

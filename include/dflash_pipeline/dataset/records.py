@@ -45,6 +45,13 @@ TOKEN_IDS_TYPE = pa.list_(pa.int32())
 ROW_LABEL_FIELDS = [("source", pa.string()), ("domain", pa.string()), ("metadata", pa.string())]
 ROW_LABEL_COLUMNS = tuple(name for name, _ in ROW_LABEL_FIELDS)
 THINKING_FIELD = ("thinking", pa.bool_())
+# The sampling fields a completion row's request carried (config/sampling.py sampling_json: JSON, sorted
+# keys: max_tokens, temperature, top_p, seed when set, and any extra); null on error rows.
+SAMPLING_FIELD = ("sampling", pa.string())
+# A planned row's mix, decided at plan (config/sampling.py): its thinking mode (null: the run's
+# enable_thinking) and its input row's sampling overrides (JSON object, null: none).
+INPUT_MIX_FIELDS = [THINKING_FIELD, ("sampling_override", pa.string())]
+INPUT_MIX_COLUMNS = tuple(name for name, _ in INPUT_MIX_FIELDS)
 
 INPUT_SCHEMA = pa.schema(
     [
@@ -55,6 +62,7 @@ INPUT_SCHEMA = pa.schema(
         ("sample", pa.int32()),
         ("original_messages", pa.list_(CONV_MESSAGE_TYPE)),
         *ROW_LABEL_FIELDS,
+        *INPUT_MIX_FIELDS,
     ]
 )
 
@@ -98,6 +106,7 @@ PART_SCHEMA = pa.schema(
         ("acceptance_length", pa.float64()),
         *ROW_LABEL_FIELDS,
         THINKING_FIELD,
+        SAMPLING_FIELD,
     ]
 )
 
@@ -148,6 +157,8 @@ def encode_inputs(rows: Sequence[dict[str, Any]]) -> bytes:
                 "sample": int(r.get("sample") or 0),
                 "original_messages": r.get("original_messages"),
                 **{k: v for k, v in row_labels(r).items() if k in ROW_LABEL_COLUMNS},
+                "thinking": r.get("thinking"),
+                "sampling_override": encode_metadata(r.get("sampling_override")),
             }
             for r in rows
         ],
@@ -173,10 +184,13 @@ def decode_inputs(data: bytes) -> list[dict[str, Any]]:
     """The units of one chunk; inputs planned before samples existed read as sample 0."""
     pf = pq.ParquetFile(io.BytesIO(data))
     names = set(pf.schema_arrow.names)
-    columns = [c for c in ("id", "messages", "sample", "original_messages", *ROW_LABEL_COLUMNS) if c in names]
+    columns = [c for c in ("id", "messages", "sample", "original_messages", *ROW_LABEL_COLUMNS, *INPUT_MIX_COLUMNS)
+               if c in names]
     rows = pf.read(columns=columns).to_pylist()
     for r in rows:
         r["sample"] = int(r.get("sample") or 0)
+        if r.get("sampling_override") is not None:
+            r["sampling_override"] = json.loads(r["sampling_override"])
         r.setdefault("original_messages", None)  # labels absent from older inputs stay absent (read as None)
     return rows
 

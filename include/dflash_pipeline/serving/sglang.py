@@ -27,6 +27,7 @@ import numpy as np
 import requests
 
 from dflash_pipeline.config import Sampling
+from dflash_pipeline.config.sampling import SAMPLING_KEYS, request_sampling
 from dflash_pipeline.serving.engines import (
     Engine,
     adapter,
@@ -144,19 +145,28 @@ def request_seed(seed: int | None, prompt_id: str, sample: int = 0) -> int | Non
 def build_chat_body(
     messages: list[dict[str, str]], model: str, sampling: Sampling, prompt_id: str,
     engine: Engine | str | None = Engine.SGLANG, *, sample: int = 0,
-    spec_fields: dict[str, Any] | None = None,
+    spec_fields: dict[str, Any] | None = None, thinking: bool | None = None,
+    overrides: dict[str, Any] | None = None, max_tokens_cap: int | None = None,
 ) -> dict[str, Any]:
     """The chat body for `engine`: `chat_template_kwargs` top-level for all (SGLang and vLLM both
     read it there), `separate_reasoning` only for SGLang; the seed is the sample's. `spec_fields`:
-    what makes a speculating server return each answer's statistics (specwire.request_fields)."""
+    what makes a speculating server return each answer's statistics (specwire.request_fields).
+
+    Sampling fields: the run's (with `sampling.extra`), then the sample's `sampling.ladder` entry,
+    then the row's `overrides` (config/sampling.py). `thinking`: the row's mode (None: the run's
+    enable_thinking). `max_tokens_cap` (probes, the preflight proof): a short answer whatever the
+    overrides say, with `min_tokens` lowered to fit it."""
+    fields = request_sampling(sampling.base_fields(), sampling.ladder, sample, overrides)
+    if max_tokens_cap is not None:
+        fields["max_tokens"] = min(int(fields["max_tokens"]), max_tokens_cap)
+        if "min_tokens" in fields:
+            fields["min_tokens"] = min(int(fields["min_tokens"]), fields["max_tokens"])
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
-        "max_tokens": sampling.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
+        **fields,
         "stream": False,
-        "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking},
+        "chat_template_kwargs": {"enable_thinking": sampling.enable_thinking if thinking is None else thinking},
     }
     adapter(engine).chat_body(body)
     if spec_fields:
@@ -165,6 +175,11 @@ def build_chat_body(
     if seed is not None:
         body["seed"] = seed
     return body
+
+
+def sent_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a request body carries (what a completion row's `sampling` column records)."""
+    return {k: body[k] for k in sorted(body) if k in SAMPLING_KEYS or k == "seed"}
 
 
 def split_reasoning(content: str | None, reasoning_content: str | None) -> tuple[str | None, str]:

@@ -17,10 +17,11 @@ import json
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dflash_pipeline.config import RunConfig
+from dflash_pipeline.config.sampling import ThinkingQuota
 from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
@@ -93,6 +94,55 @@ class PlanStats:
     heldout: int = 0
 
 
+def thinking_modes(prompts: Iterable[Prompt], fraction: float | None) -> Iterator[tuple[Prompt, bool | None]]:
+    """(prompt, thinking mode) in plan order: the row's own mode, else the quota's when a fraction is
+    set (config/sampling.ThinkingQuota), else None (the run's enable_thinking at request time)."""
+    if fraction is None:
+        for p in prompts:
+            yield p, p.thinking
+        return
+    quota = ThinkingQuota(fraction)
+    for p, mode in quota.stream(prompts, lambda q: q.id if q.thinking is None else None):
+        yield p, (p.thinking if p.thinking is not None else mode)
+
+
+@dataclass
+class MixStats:
+    """What plan decided about the mix, for the manifest."""
+
+    fraction: float | None = None
+    on: int = 0
+    off: int = 0
+    run_flag: int = 0
+    from_rows: int = 0
+    from_fraction: int = 0
+    rows_with_sampling: int = 0
+    sampling_keys: set[str] = field(default_factory=set)
+
+    def count(self, p: Prompt, thinking: bool | None) -> None:
+        if thinking is None:
+            self.run_flag += 1
+        else:
+            self.on += thinking
+            self.off += not thinking
+            if p.thinking is not None:
+                self.from_rows += 1
+            else:
+                self.from_fraction += 1
+        if p.sampling:
+            self.rows_with_sampling += 1
+            self.sampling_keys.update(p.sampling)
+
+    def to_dict(self, enable_thinking: bool) -> dict[str, Any]:
+        on = self.on + (self.run_flag if enable_thinking else 0)
+        off = self.off + (0 if enable_thinking else self.run_flag)
+        return {"conversations_on": on, "conversations_off": off, "from_rows": self.from_rows,
+                "from_fraction": self.from_fraction, "from_enable_thinking": self.run_flag,
+                "fraction_requested": self.fraction,
+                "share_on": round(on / (on + off), 6) if on + off else None,
+                "rows_with_sampling": self.rows_with_sampling}
+
+
 class _Deduper:
     """Drops repeated prompts, rejects one id used for different content.
 
@@ -160,6 +210,14 @@ def pinned_settings(cfg: RunConfig, input_etag: str, input_size: int, heldout_et
         pins["input"]["samples_per_prompt"] = s.samples_per_prompt
     if s.regenerate != "last_turn":
         pins["input"]["regenerate"] = s.regenerate
+    # The mix: thinking_fraction decides the modes plan writes into the inputs, so it is pinned with
+    # the input; extras and the ladder are applied per request (changeable with accept_pin_changes).
+    if s.thinking_fraction is not None:
+        pins["input"]["thinking_fraction"] = s.thinking_fraction
+    if s.extra:
+        pins["sampling"]["extra"] = dict(s.extra)
+    if s.ladder:
+        pins["sampling"]["ladder"] = [dict(e) for e in s.ladder]
     split = heldout_pins(cfg, heldout_etag)
     if split is not None:
         pins["input"]["heldout"] = split
@@ -344,12 +402,17 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         except PromptFileError as exc:
             raise PlanError(f"{cfg.prompts_uri}: {exc}") from exc
 
-    def units() -> Iterator[tuple[Prompt, int]]:
+    mix = MixStats(fraction=cfg.sampling.thinking_fraction)
+
+    def units() -> Iterator[tuple[Prompt, int, bool | None]]:
         # One planned row per (id, sample); a prompt's samples are neighbours, so they usually share
-        # a chunk (and a server, whose radix cache then holds the prompt already).
-        for prompt in accepted_prompts():
+        # a chunk (and a server, whose radix cache then holds the prompt already). Each conversation's
+        # thinking mode is its row's, else the quota's (thinking_fraction), else null (the run's flag);
+        # all its samples share it.
+        for prompt, thinking in thinking_modes(accepted_prompts(), cfg.sampling.thinking_fraction):
+            mix.count(prompt, thinking)
             for sample in range(cfg.sampling.samples_per_prompt):
-                yield prompt, sample
+                yield prompt, sample, thinking
 
     sizes: list[int] = []
     # The longest prompt (by UTF-8 bytes of its messages): preflight sends it to every server as
@@ -357,13 +420,14 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     longest: dict[str, Any] = {"bytes": -1}
     try:
         for index, chunk in enumerate(chunk_stream(units(), cfg.save_every, n_servers)):
-            for p, k in chunk:
+            for p, k, _ in chunk:
                 size = sum(len(str(m.get("content") or "").encode()) for m in p.messages)
                 if k == 0 and size > longest["bytes"]:
                     longest = {"id": p.id, "chunk": index, "bytes": size}
             data = encode_inputs([{"id": p.id, "messages": p.messages, "sample": k, "original_messages": p.original,
-                                   "source": p.source, "domain": p.domain, "metadata": p.metadata}
-                                  for p, k in chunk])
+                                   "source": p.source, "domain": p.domain, "metadata": p.metadata,
+                                   "thinking": t, "sampling_override": p.sampling}
+                                  for p, k, t in chunk])
             key = layout.input_key(plan_id, index)
             with_retries(lambda: out_store.put(key, data), what=f"write {key}")
             sizes.append(len(chunk))
@@ -408,6 +472,10 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "rejects": stats.rejects,
             "limit": cfg.limit,
             "longest_prompt": longest if longest["bytes"] >= 0 else None,
+            # Conversations by thinking mode and where it came from, and the sampling keys rows override
+            # (preflight checks them against each server's engine).
+            "thinking": mix.to_dict(cfg.sampling.enable_thinking),
+            "sampling_keys": sorted(mix.sampling_keys),
         },
         "chunks": {
             "save_every": cfg.save_every,

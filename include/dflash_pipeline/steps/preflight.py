@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.config.sampling import DIALECTS, unsupported_keys
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries
@@ -63,19 +64,20 @@ def proof_messages(store: Store, layout: DatasetLayout) -> tuple[list[dict[str, 
 
 def prove_server(
     spec: ServerSpec, info: ServerInfo, cfg: RunConfig, model: str, run_id: str,
-    messages: list[dict[str, str]], longest: dict[str, Any] | None,
+    messages: list[dict[str, str]], longest: dict[str, Any] | None, thinking: bool | None = None,
 ) -> dict[str, Any]:
     """One chat request with the run's settings, the plan's longest prompt. Raises ConfigError when
     the server cannot do the job: with thinking enabled its answer has neither a reasoning field nor
     `<think>` in the content (no reasoning parser and a template that hides the tags). Whether its
     context holds max_tokens plus that prompt is returned (`fits`) and judged against the fleet by
     `judge_context`. A transient failure raises RequestFailure (server down)."""
-    sampling = dataclasses.replace(cfg.sampling, max_tokens=PROOF_MAX_TOKENS)
+    thinking = cfg.sampling.enable_thinking if thinking is None else thinking
+    sampling = dataclasses.replace(cfg.sampling, max_tokens=PROOF_MAX_TOKENS, enable_thinking=thinking)
     headers = {"X-Request-Id": f"{PROOF_REQUEST_PREFIX}-{run_id}-{spec.name}"[:200]}
 
     def ask(msgs: list[dict[str, str]]) -> tuple[Any, float]:
         body = build_chat_body(msgs, model, sampling, "preflight-proof", info.engine,
-                               spec_fields=request_fields(info.speculative))
+                               spec_fields=request_fields(info.speculative), max_tokens_cap=PROOF_MAX_TOKENS)
         for attempt in range(1, PROOF_ATTEMPTS + 1):
             try:
                 return chat_once(new_chat_client(), spec, body, cfg.request_timeout_s, headers=headers)
@@ -103,7 +105,7 @@ def prove_server(
         logger.warning("server %s: the plan's longest prompt does not fit its context: %s", spec.name, exc.message)
         completion, latency = ask(PROOF_MESSAGES)
     shape = completion.reasoning_source or "none"
-    if cfg.sampling.enable_thinking and not completion.reasoning:
+    if thinking and not completion.reasoning:
         raise ConfigError(
             f"server {spec.name} ({info.engine} {info.version or ''}): with enable_thinking the proof "
             "answer has no reasoning field and no <think> in its content, so thinking cannot be split "
@@ -124,6 +126,30 @@ def prove_server(
         # where this server's answers carry them (spec_manifest).
         "spec": completion.spec.to_columns() if completion.spec is not None else None,
     }
+
+
+def refuse_sampling_keys(cfg: RunConfig, infos: list[ServerInfo], row_keys: list[str]) -> None:
+    """Refuse (before any generation) a sampling key a server's engine does not accept: the run's
+    extras and ladder, and the keys the input rows override (plan's `input.sampling_keys`). Engines
+    ignore unknown fields silently, so a key sent to the wrong engine would change nothing, unseen."""
+    keys = cfg.sampling.override_keys() | set(row_keys)
+    bad = [f"server {i.name} ({i.engine}) does not accept {unsupported_keys(keys, i.engine)}"
+           for i in infos if unsupported_keys(keys, i.engine)]
+    if bad:
+        raise ConfigError("sampling keys the engine would ignore: " + "; ".join(bad) + ". Drop them from "
+                          "sampling_extra / sampling_ladder / the rows' `sampling`, or use servers whose engine "
+                          f"takes them ({ {e: sorted(k) for e, k in DIALECTS.items()} })")
+
+
+def proof_thinking(cfg: RunConfig, planned: dict[str, Any]) -> bool:
+    """The proof's thinking mode: on when any planned conversation thinks (a mixed run must prove the
+    servers split reasoning), else the run's flag."""
+    mix = planned.get("thinking") or {}
+    if mix:
+        return int(mix.get("conversations_on") or 0) > 0
+    if cfg.sampling.thinking_fraction is not None:
+        return cfg.sampling.thinking_fraction > 0
+    return cfg.sampling.enable_thinking
 
 
 def spec_manifest(info: ServerInfo, proof: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -247,9 +273,12 @@ def run_preflight(
             "model": model,
             "sampling": manifest["pinned"]["sampling"],
         }
+        pinned_model_holder["input"] = manifest.get("input") or {}
 
     update_manifest(store, layout, record)
     model = pinned_model_holder["model"]
+    planned = pinned_model_holder["input"]
+    refuse_sampling_keys(cfg, infos, planned.get("sampling_keys") or [])
 
     # Prove each server with one request of the run's settings; a server that cannot do the job
     # is refused here, before any generation (all refusals in one message).
@@ -259,7 +288,8 @@ def run_preflight(
     for info in list(infos):
         spec = next(s for s in specs if s.name == info.name)
         try:
-            proofs[info.name] = prove_server(spec, info, cfg, model, run_id, messages, longest)
+            proofs[info.name] = prove_server(spec, info, cfg, model, run_id, messages, longest,
+                                             proof_thinking(cfg, planned))
         except ConfigError as exc:
             refused.append(str(exc))
         except RequestFailure as exc:

@@ -24,7 +24,9 @@ Wire details, and where they come from (SGLang ``tokenizer_manager.py``, ``servi
 
 Limits (documented, intended): ``stream=true`` is rejected with 400; ``n > 1`` is ignored; a
 client that disconnects does not free its slot early; request ``seed``/``temperature`` do not
-change the text (it depends only on the messages and ``SimConfig.seed``).
+change the text (it depends only on the messages and ``SimConfig.seed``); other sampling fields
+(``top_k``, ``stop``, ...) are type-checked as the engine checks them (``sampling_wire.py``) and
+recorded as received (``GET /sim/requests``), not applied.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from urllib.parse import urlsplit
 
 from dflash_pipeline.dev.sim import lengths, slowprobe, tokens, vllm_wire
 from dflash_pipeline.dev.sim.conversation import ConversationModel
-from dflash_pipeline.dev.sim import spec_drafter, spec_sglang, spec_vllm
+from dflash_pipeline.dev.sim import sampling_wire, spec_drafter, spec_sglang, spec_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -575,6 +577,7 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
         "/get_model_info": "_model_info",
         "/v1/models": "_models",
         "/sim/stats": "_sim_stats",
+        "/sim/requests": "_sim_requests",
         "/metrics": "_sglang_metrics",
     }
     POST_ROUTES = {
@@ -762,6 +765,10 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
 
     def _sim_stats(self, _body: bytes) -> None:
         self._send_json(200, self.sim.stats())
+
+    def _sim_requests(self, _body: bytes) -> None:
+        """The sampling fields of the chat requests received, in order (sampling_wire.RequestLog)."""
+        self._send_json(200, {"requests": self.sim.requests.rows()})
 
     def _sim_config(self, body: bytes) -> None:
         try:
@@ -958,6 +965,13 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
             return None
         config = self.server.sim.config
         vllm = config.engine == "vllm"
+        # Sampling fields as the engine's request model types them (sampling_wire.py); every request's
+        # fields are recorded as received (GET /sim/requests), refused ones too.
+        refused = sampling_wire.refusal(obj, config.engine)
+        self.server.sim.requests.add(obj, self.headers.get("X-Request-Id", ""), refused)
+        if refused:
+            self._bad_request(refused)
+            return None
         if vllm:
             missing = vllm_wire.model_error(obj.get("model"), str(config.served_model_name))
             if missing:
@@ -1031,6 +1045,8 @@ class SimServer:
         self._fault_rng = random.Random(f"sim-faults:{fault_seed}")
         self.conversations = ConversationModel()
         self.spec_counters = spec_drafter.new_counters(self.config)
+        # What every chat request carried (sampling fields, thinking flag): GET /sim/requests.
+        self.requests = sampling_wire.RequestLog()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -1229,6 +1245,7 @@ class SimServer:
         """Zero the counters (running/waiting stay live); busy time restarts from now."""
         self._sched.reset_stats()
         self.conversations.reset()
+        self.requests.clear()
 
     # -- helpers for the handler (thread-safe) ------------------------------------------------
 

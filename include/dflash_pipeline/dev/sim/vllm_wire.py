@@ -73,6 +73,7 @@ GET_ROUTES = {
     "/metrics": "_vllm_metrics",
     "/v1/models": "_vllm_models",
     "/sim/stats": "_sim_stats",
+    "/sim/requests": "_sim_requests",
 }
 POST_ROUTES = {
     "/v1/chat/completions": "_chat",

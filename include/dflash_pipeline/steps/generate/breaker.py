@@ -151,7 +151,7 @@ class Breaker:
     def _judgement(self, classes: frozenset[str]) -> tuple[str, str]:
         s = self.settings
         body = build_chat_body(CANARY_MESSAGES, s.model, dataclasses.replace(s.sampling, max_tokens=1),
-                               "dflash-breaker-canary", engine=s.engine)
+                               "dflash-breaker-canary", engine=s.engine, max_tokens_cap=1)
         try:
             chat_once(self._client_factory(), s.server, body, min(30.0, s.request_timeout_s))
         except RequestFailure as exc:

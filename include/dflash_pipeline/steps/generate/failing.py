@@ -157,7 +157,7 @@ class ServerHealth:
         s = self.settings
         self.probes += 1
         body = build_chat_body(PROBE_MESSAGES, s.model, dataclasses.replace(s.sampling, max_tokens=1),
-                               "dflash-probe", engine=s.engine)
+                               "dflash-probe", engine=s.engine, max_tokens_cap=1)
         try:
             chat_once(self._client_factory(), s.server, body, min(10.0, s.request_timeout_s))
         except RequestFailure as exc:

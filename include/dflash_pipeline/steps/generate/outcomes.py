@@ -24,8 +24,9 @@ from dflash_pipeline.serving.sglang import Completion, RequestFailure
 FINISHED = ("stop", "length")
 
 
-def judge(completion: Completion, sampling: Sampling) -> Completion:
-    """The completion to store, or raise the RequestFailure it really is."""
+def judge(completion: Completion, sampling: Sampling, thinking: bool | None = None) -> Completion:
+    """The completion to store, or raise the RequestFailure it really is (`thinking`: the row's mode,
+    None: the run's enable_thinking)."""
     reason = completion.finish_reason
     if reason not in FINISHED:
         raise RequestFailure(
@@ -33,7 +34,7 @@ def judge(completion: Completion, sampling: Sampling) -> Completion:
             f"the server did not finish the request (finish_reason={reason!r}); partial output discarded",
             kind="transient",
         )
-    if sampling.enable_thinking and reason == "length" and completion.reasoning is None and completion.content:
+    if (sampling.enable_thinking if thinking is None else thinking) and reason == "length" and completion.reasoning is None and completion.content:
         return dataclasses.replace(completion, reasoning=completion.content, content="")
     return completion
 

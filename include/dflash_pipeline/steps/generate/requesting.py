@@ -11,8 +11,9 @@ import threading
 import time
 from typing import Any
 
+from dflash_pipeline.config.sampling import sampling_json
 from dflash_pipeline.serving.deadline import DeadlinePolicy, server_watch
-from dflash_pipeline.serving.sglang import RequestFailure, build_chat_body, chat_once
+from dflash_pipeline.serving.sglang import RequestFailure, build_chat_body, chat_once, sent_sampling
 from dflash_pipeline.steps.generate.conversation import (
     conversation_row,
     run_conversation,
@@ -34,21 +35,29 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
     out = Outcome(chunk, prompt)
     watch = server_watch(s.run_id, s.server, s.engine, DeadlinePolicy(s.request_timeout_s, s.min_decode_tok_s))
 
+    # The row's mix (plan wrote it into the chunk inputs): its thinking mode (None: the run's flag)
+    # and its sampling overrides; the row records both as sent.
+    thinking = prompt.get("thinking")
+    thinking = s.sampling.enable_thinking if thinking is None else bool(thinking)
+    sent: dict[str, Any] = {}
+
     def send(messages: list[dict[str, str]]) -> tuple[Any, float, int] | None:
         """One turn: its own retries; a timeout is retried once, never regenerated max_attempts times."""
         body = build_chat_body(messages, s.model, s.sampling, prompt["id"], sample=int(prompt.get("sample") or 0),
-                               engine=s.engine, spec_fields=dict(s.spec_request))
+                               engine=s.engine, spec_fields=dict(s.spec_request), thinking=thinking,
+                               overrides=prompt.get("sampling_override"))
+        sent.update(sent_sampling(body))
         timeouts = 0
         for attempt in range(1, s.max_attempts + 1):
             out.attempts += 1
             if chunk.dropped or stop.is_set():
                 return None  # stopped or dropped: not a result, never an error row
             try:
-                with watch.waiter(s.sampling.max_tokens) as wait:
+                with watch.waiter(int(body["max_tokens"])) as wait:
                     completion, latency = chat_once(session, s.server, body, s.request_timeout_s, wait)
                 watch.record(completion.completion_tokens, latency)
                 out.done_t = time.monotonic()
-                completion = judge(completion, s.sampling)
+                completion = judge(completion, s.sampling, thinking)
             except RequestFailure as exc:
                 out.failure = exc
                 out.last_failure_t = time.monotonic()
@@ -74,7 +83,8 @@ def do_request(s: WorkerSettings, stop: threading.Event, session: Any, item: tup
             out.failure = None  # a permanent refusal that only cut the conversation short
             out.row = conversation_row(prompt, res, model=s.model, server=s.server.name,
                                        chunk=chunk.index, run_id=s.run_id)
-            out.row.setdefault("thinking", s.sampling.enable_thinking)  # the mode this request was sent with
+            out.row["thinking"] = thinking  # the mode this request was sent with
+            out.row["sampling"] = sampling_json(sent)
     except Exception as exc:  # noqa: BLE001 - one row's failure, never the task's
         logger.warning("request for %s failed unexpectedly: %r", prompt.get("id"), exc)
         out.row = None

@@ -249,12 +249,17 @@ class Validator:
         t.truncated_in_answer += int((truncated & ~empty).sum())
         t.empty_content += int(empty.sum())
         t.empty_content_not_truncated += flag("empty_content_not_truncated", empty & ~truncated)
-        if self.thinking:
-            t.reasoning_missing += flag("reasoning_missing", ~has_reasoning)
-            for name in set(servers[~has_reasoning].tolist()):
-                t.per_server[name].reasoning_missing += int(((servers == name) & ~has_reasoning).sum())
+        # Each row's thinking mode (a mixed run's rows differ); rows written before the column: the run's.
+        if "thinking" in tbl.column_names:
+            thinks = to_numpy(tbl.column("thinking"), self.thinking).astype(bool)
         else:
-            t.reasoning_unexpected += flag("reasoning_unexpected", has_reasoning)
+            thinks = np.full(m, self.thinking, dtype=bool)
+        t.completions_thinking += int(thinks.sum())
+        missing = thinks & ~has_reasoning
+        t.reasoning_missing += flag("reasoning_missing", missing)
+        for name in set(servers[missing].tolist()):
+            t.per_server[name].reasoning_missing += int(((servers == name) & missing).sum())
+        t.reasoning_unexpected += flag("reasoning_unexpected", ~thinks & has_reasoning)
         t.think_markers_in_content += flag("think_markers_in_content", has_think_markers(content))
         if has_reasoning.any():
             t.think_markers_in_reasoning += flag("think_markers_in_reasoning", has_think_markers(reasoning))

@@ -68,7 +68,7 @@ def evaluate(t: Tally, thresholds: Thresholds, thinking: bool = False) -> tuple[
          f"hit max_tokens, {t.truncated_in_thinking} of them inside the thinking)"},
     ]
     if thinking:
-        missing_rate = rate(t.reasoning_missing, t.completions)
+        missing_rate = rate(t.reasoning_missing, t.completions_thinking or t.completions)
         by_server = sorted(((s.reasoning_missing, n) for n, s in t.per_server.items() if s.reasoning_missing),
                            reverse=True)
         where = ", ".join(f"{n} {k}" for k, n in by_server[:5]) or "none"
@@ -76,7 +76,7 @@ def evaluate(t: Tally, thresholds: Thresholds, thinking: bool = False) -> tuple[
             {"name": "missing_reasoning_rate", "value": round(missing_rate, 6), "threshold": "max_missing_reasoning_rate",
              "limit": thresholds.max_missing_reasoning_rate, "ok": missing_rate <= thresholds.max_missing_reasoning_rate,
              "figure": f"reasoning missing on {pct(missing_rate)} of completions with thinking enabled "
-             f"({t.reasoning_missing} of {t.completions}; by server: {where})"})
+             f"({t.reasoning_missing} of {t.completions_thinking or t.completions}; by server: {where})"})
     problems: list[str] = []
     if t.duplicates:
         problems.append(f"{t.duplicates} duplicate row(s) (first: {t.duplicate_ids[:5]})")
@@ -100,7 +100,9 @@ def build_report(
     files: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     thresholds = thresholds or Thresholds()
-    checks, problems = evaluate(t, thresholds, thinking=bool(manifest["pinned"]["sampling"]["enable_thinking"]))
+    mixed_on = int(((manifest.get("input") or {}).get("thinking") or {}).get("conversations_on") or 0)
+    checks, problems = evaluate(t, thresholds, thinking=bool(manifest["pinned"]["sampling"]["enable_thinking"])
+                                or mixed_on > 0)
     rc = t.recount.to_dict() if t.recount is not None else None
     return {
         "format": REPORT_FORMAT,

@@ -108,6 +108,9 @@ class Tally:
     empty_content_not_truncated: int = 0
     reasoning_missing: int = 0
     reasoning_unexpected: int = 0
+    # Completions generated with thinking on (the row's `thinking`, else the run's flag): the
+    # denominator of the missing-reasoning rate in a mixed run.
+    completions_thinking: int = 0
     think_markers_in_content: int = 0
     think_markers_in_reasoning: int = 0
     reasoning_tokens_unreported: int = 0
