@@ -1,7 +1,7 @@
 """The mix report on the simulator pipeline: a labelled prompt set, generated, validated, tokenized.
 
     .venv/bin/python bench/mix_report.py                                   # data/sample_prompts.jsonl, 600 rows
-    .venv/bin/python bench/mix_report.py --rows 2000 --min-loss-tokens 32,2 --enable-thinking false
+    .venv/bin/python bench/mix_report.py --rows 2000 --thinking-fraction 0.5 --min-loss-tokens 32,2
 
 What it does (the figures quoted in docs/mix.md come from here):
 - Reads --prompts (JSONL) and labels each row the way a user labels theirs before a run: `source` =
@@ -41,8 +41,7 @@ from dflash_pipeline.steps.validate import mix as mixreport  # noqa: E402
 BUCKET = "mix-bench"
 CODE = re.compile(r"\b(function|code|Python|JavaScript|C\+\+|Rust|Go|Java|Kotlin|TypeScript|API|class)\b")
 LOGIC = re.compile(r"knights?|knaves?|runners|sequence|explorers|coins|puzzle", re.I)
-DEFAULT_TARGET = '{"domain": {"math": 0.4, "code": 0.4, "logic": 0.2}, "completion_length": ' \
-                 '{"0-255": 0.1, "256-1023": 0.4, "1024-4095": 0.4, "4096-16383": 0.1}}'
+DEFAULT_TARGET = '{"domain": {"math": 0.4, "code": 0.4, "logic": 0.2}, "thinking": {"true": 0.5, "false": 0.5}}'
 
 
 def last_user_text(row: dict[str, Any]) -> str:
@@ -83,6 +82,7 @@ def main() -> None:
     ap.add_argument("--source", default="sample_prompts")
     ap.add_argument("--servers", type=int, default=3)
     ap.add_argument("--enable-thinking", choices=("true", "false"), default="true")
+    ap.add_argument("--thinking-fraction", type=float, default=None, help="the run param (null: --enable-thinking)")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--length-scale", type=float, default=1.0, help="simulated completion length factor")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="target_mix JSON")
@@ -102,7 +102,8 @@ def main() -> None:
             cfg = RunConfig.from_params({
                 "prompts_uri": f"s3://{BUCKET}/prompts.jsonl", "output_uri": f"s3://{BUCKET}/ds",
                 "servers": fleet.urls, "save_every": 100, "max_tokens": args.max_tokens,
-                "enable_thinking": args.enable_thinking == "true", "target_mix": json.loads(args.target),
+                "enable_thinking": args.enable_thinking == "true", "thinking_fraction": args.thinking_fraction,
+                "target_mix": json.loads(args.target),
                 "max_rejects": args.rows})
             outcomes = run_generation(client, cfg, fleet.urls, "mix-bench")
             failed = [o for o in outcomes if isinstance(o, BaseException)]
@@ -116,7 +117,8 @@ def main() -> None:
         except ValidationFailed as exc:
             print(f"validation failed: {exc}")
             raise
-        print(f"# {args.rows} rows of {args.prompts.name}, thinking {args.enable_thinking}, max_tokens "
+        print(f"# {args.rows} rows of {args.prompts.name}, thinking {args.enable_thinking}, thinking_fraction "
+              f"{args.thinking_fraction}, max_tokens "
               f"{args.max_tokens}, {report['completions']} completions, {report['errors']} error rows")
         print(mixreport.markdown(report["mix"], "mix (before filters)"))
         results: dict[str, Any] = {"before": report["mix"]}
