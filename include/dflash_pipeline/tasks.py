@@ -201,6 +201,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
     """Validate and count; on success, annotate the hand-off asset's event (`outlet_events`).
     With `run_id`, first copy each server's in-flight limit over the run into the manifest."""
     from dflash_pipeline.steps.handoff import event_extra
+    from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.steps.validate import Thresholds, run_validation
 
     cfg = config_from_params(params)
@@ -212,7 +213,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
     )
     with _fail_fast():
         report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
-                                target_mix=cfg.target_mix)
+                                quality=QualitySettings.from_params(params), target_mix=cfg.target_mix)
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
         "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",

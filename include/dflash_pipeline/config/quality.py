@@ -16,16 +16,17 @@ from typing import Any
 SECTION_QUALITY = "Validation"
 """The form section of these params (config.run.SECTION_VALIDATION; a test keeps them equal)."""
 
+_A = "['’]"  # a straight or a typographic apostrophe
 DEFAULT_REFUSAL_PATTERNS: tuple[str, ...] = (
     # Searched (Python `re`, case-insensitive, `^` at any line start) in the first refusal_scan_chars of
     # each answer: a refusal says so up front, while an answer may say "x cannot be negative" anywhere.
-    r"^\W*(?:I'?m|I am) (?:so |very |really )?sorry,? (?:but )?(?:I|we) (?:can(?:no|')t|won'?t|am unable|'m unable|am not able|'m not able|will not|must decline)",
-    r"^\W*(?:I'?m|I am) (?:afraid|unable|not able) (?:I )?(?:can(?:no|')t |to )?(?:help|assist|provide|comply|fulfil|do that|create|generate|write|answer|support|engage)",
-    r"^\W*(?:Sorry|Unfortunately|I apologi[sz]e),? (?:but )?(?:I|we) (?:can(?:no|')t|won'?t|am unable|'m unable|am not able|will not)",
-    r"^\W*I (?:can(?:no|')t|won'?t|will not|must decline to|am not able to|'m not able to|am unable to|'m unable to) "
+    rf"^\W*(?:I{_A}?m|I am) (?:so |very |really |truly )?sorry,? (?:but )?(?:I|we) (?:can(?:no|{_A})t|won{_A}?t|am unable|{_A}m unable|am not able|{_A}m not able|will not|must decline)",
+    rf"^\W*(?:I{_A}?m|I am) (?:afraid|unable|not able) (?:I )?(?:can(?:no|{_A})t |to )?(?:help|assist|provide|comply|fulfil|do that|create|generate|write|answer|support|engage)",
+    rf"^\W*(?:Sorry|Unfortunately|I apologi[sz]e),? (?:but )?(?:I|we) (?:can(?:no|{_A})t|won{_A}?t|am unable|{_A}m unable|am not able|will not)",
+    rf"^\W*I (?:can(?:no|{_A})t|won{_A}?t|will not|must decline to|am not able to|{_A}m not able to|am unable to|{_A}m unable to) "
     r"(?:help|assist|provide|comply|fulfil|do that|do this|create|generate|write|answer|support|engage|share|give|produce|continue|participate)",
-    r"\bas an AI(?: language model| assistant)?,? I (?:can(?:no|')t|don'?t|do not|am not able|am unable|won'?t)",
-    r"\b(?:against|violates?) (?:my|our|the) (?:guidelines|policies|policy|principles|usage policies)\b",
+    rf"\bas an AI(?: language model| assistant)?,? I (?:can(?:no|{_A})t|don{_A}?t|do not|am not able|am unable|won{_A}?t)",
+    r"\b(?:against|violates?|violating) my (?:guidelines|policies|programming|principles)\b",
     r"^\W*(?:抱歉|对不起|很抱歉|非常抱歉)[，,]?\s*(?:我|但我)?(?:不能|无法|不可以|没法)",
     r"^\W*我(?:不能|无法|不可以)(?:帮助|协助|提供|回答|满足|参与|生成)",
 )
@@ -106,7 +107,7 @@ QUALITY_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "language_min_score": {
         "type": "number",
-        "default": 0.9,
+        "default": 0.8,
         "minimum": 0,
         "maximum": 1,
         "description": "py3langid's normalised probability below which an answer's language counts as undetermined "
@@ -124,7 +125,7 @@ QUALITY_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "near_duplicate_threshold": {
         "type": "number",
-        "default": 0.8,
+        "default": 0.9,
         "minimum": 0.5,
         "maximum": 1,
         "description": "Near-duplicate prompts: MinHash (datasketch) estimated Jaccard similarity of the prompts' "
@@ -155,9 +156,9 @@ class QualitySettings:
     refusal_patterns: tuple[str, ...] = DEFAULT_REFUSAL_PATTERNS
     refusal_scan_chars: int = 400
     languages: tuple[str, ...] | None = None
-    language_min_score: float = 0.9
+    language_min_score: float = 0.8
     language_min_chars: int = 24
-    near_duplicate_threshold: float = 0.8
+    near_duplicate_threshold: float = 0.9
     near_duplicate_num_perm: int = 128
     refusal_regexes: tuple[re.Pattern[str], ...] = field(default=(), compare=False, repr=False)
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_pipeline.config.mix import target_mix_schema
-from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS, QualitySettings
 from dflash_pipeline.config.sampling import SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
@@ -432,6 +432,7 @@ class RunConfig:
             raise ConfigError(f"required param(s) missing: {missing}")
         for name, value in params.items():
             _check_schema(name, value, PARAM_SCHEMAS[name])
+        QualitySettings.from_params(params)  # a refusal pattern that is not a regex is refused here
         try:
             prompts = parse_s3_uri(params["prompts_uri"], what="prompts_uri")
             out = parse_s3_uri(params["output_uri"], what="output_uri")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+from array import array
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,25 +68,33 @@ class NearDuplicateFinder:
     Memory: one uint32 signature of num_perm values per prompt (512 bytes at 128) plus its id, and at
     `finish` datasketch's LSH index of the kept prompts (measured in docs/quality.md)."""
 
-    def __init__(self, threshold: float = 0.8, num_perm: int = 128) -> None:
+    def __init__(self, threshold: float = 0.9, num_perm: int = 128) -> None:
         from datasketch import MinHash
 
         self.threshold = threshold
         self.num_perm = num_perm
         self._proto = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME)
         self._ids: list[str] = []
+        self._tags = array("i")
+        self._rows = array("i")
         self._sigs: list[np.ndarray] = []
         self._batch: list[np.ndarray] = []
         self.prompts = 0
         self.empty = 0
         self.seconds = 0.0
+        self.tags: list[int] = []
+        """The caller's tag of each near-duplicate `finish` returned (same order)."""
+        self.rows: list[int] = []
+        """Rows (samples) of each near-duplicate `finish` returned."""
 
-    def add(self, ids: Iterable[str], prompts: Iterable[str]) -> None:
-        """Prompts and their ids (a repeated id, e.g. another sample, is read once at `finish`)."""
+    def add(self, ids: Iterable[str], prompts: Iterable[str], tags: Iterable[int] | None = None) -> None:
+        """Prompts and their ids, with a small int tag each (the caller's label code; 0 if none). A
+        repeated id (another sample of the prompt) counts as one more row of that prompt."""
         started = time.perf_counter()
         last = None
-        for pid, text in zip(ids, prompts):
-            if pid == last:
+        for pid, text, tag in zip(ids, prompts, tags if tags is not None else _zeros()):
+            if pid == last and self._ids and self._ids[-1] == pid:
+                self._rows[-1] += 1
                 continue
             last = pid
             sh = shingles(text)
@@ -95,6 +104,8 @@ class NearDuplicateFinder:
             m = self._proto.copy()
             m.update_batch(sh)
             self._ids.append(pid)
+            self._tags.append(tag)
+            self._rows.append(1)
             self._batch.append(m.hashvalues.astype(np.uint32, copy=False))
             if len(self._batch) >= 4096:
                 self._flush()
@@ -119,12 +130,15 @@ class NearDuplicateFinder:
         order = sorted(range(len(ids)), key=ids.__getitem__)
         lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
         out: list[tuple[str, str, float]] = []
+        self.tags, self.rows = [], []
         last = None
         self.prompts = 0
         for pos in order:
             pid = ids[pos]
             if pid == last:
-                continue  # another sample of the same prompt
+                if out and out[-1][0] == pid:
+                    self.rows[-1] += self._rows[pos]
+                continue  # another sample of the same prompt (its rows count with the first)
             last = pid
             self.prompts += 1
             sig = sigs[pos]
@@ -136,10 +150,17 @@ class NearDuplicateFinder:
                     best, best_sim = cand, sim
             if best is not None and best_sim >= self.threshold:
                 out.append((pid, ids[best], round(best_sim, 4)))
+                self.tags.append(self._tags[pos])
+                self.rows.append(self._rows[pos])
             else:
                 lsh.insert(int(pos), m, check_duplication=False)
         self.seconds += time.perf_counter() - started
         return out
+
+
+def _zeros() -> Iterable[int]:
+    while True:
+        yield 0
 
 
 def encode_near_duplicates(rows: Sequence[tuple[str, str, float]]) -> bytes:

@@ -37,14 +37,14 @@ _CODE_BLOCK = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
 _MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|\\\[.*?\\\]|\\\(.*?\\\)", re.DOTALL)
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+")
 _LETTER = re.compile(r"[^\W\d_]")
-LANGUAGE_CHARS = 2000
-"""Characters of the answer language ID reads (its cost grows with the text; 2,000 decide it)."""
+LANGUAGE_CHARS = 1000
+"""Characters of the answer's prose language ID reads (its cost grows with the text; 1,000 decide it)."""
 
 
-def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048) -> list[tuple[int, float]]:
-    """(tokens, repeats) of each unbroken stretch of `text` in which every n-gram occurred earlier within
-    `max_period` tokens; repeats = tokens / the stretch's median distance to the earlier copy (its period),
-    i.e. the copies of the repeating unit after its first.
+def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048, min_span: int = 1) -> list[tuple[int, float]]:
+    """(tokens, repeats) of each unbroken stretch of at least `min_span` tokens of `text` in which every
+    n-gram occurred earlier within `max_period` tokens; repeats = tokens / the stretch's median distance to
+    the earlier copy (its period), i.e. the copies of the repeating unit after its first.
 
     Vectorised: n-gram hashes are built with wrapping uint64 arithmetic and a stable argsort finds each
     one's previous occurrence (no Python loop over tokens).
@@ -69,9 +69,11 @@ def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048) -> list[tu
     if not rep.any():
         return []
     edges = np.diff(np.concatenate(([0], rep.astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    spans = ends - starts + ngram - 1
+    long = spans >= min_span  # normal text has many short stretches: only long ones get a median
     out = []
-    for s, e in zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()):
-        span = e - s + ngram - 1
+    for s, e, span in zip(starts[long].tolist(), ends[long].tolist(), spans[long].tolist()):
         out.append((span, span / max(float(np.median(dist[s:e])), 1.0)))
     return out
 
@@ -82,7 +84,8 @@ def is_loop(text: str | None, settings: QualitySettings) -> bool:
     if not text or len(text) < settings.loop_min_span_tokens:
         return False
     return any(span >= settings.loop_min_span_tokens and repeats >= settings.loop_min_repeats
-               for span, repeats in loop_stretches(text, settings.loop_ngram, settings.loop_max_period))
+               for span, repeats in loop_stretches(text, settings.loop_ngram, settings.loop_max_period,
+                                                   settings.loop_min_span_tokens))
 
 
 def is_refusal(answer: str | None, settings: QualitySettings) -> bool:
@@ -93,6 +96,8 @@ def is_refusal(answer: str | None, settings: QualitySettings) -> bool:
     return any(r.search(head) for r in settings.refusal_regexes)
 
 
+NO_LANGUAGE = "zxx"
+"""py3langid's label for text without linguistic content (tables, formulas): undetermined here."""
 _IDENTIFIER: Any = None
 _IDENTIFIER_LOCK = threading.Lock()
 
@@ -105,7 +110,11 @@ def _identifier() -> Any:
             if _IDENTIFIER is None:
                 from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
-                _IDENTIFIER = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+                ident = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+                # The two-letter (ISO 639-1) languages and zxx (no linguistic content): py3langid 0.4 also
+                # has varieties (wuu, yue next to zh; ary, arz next to ar) that would split one language.
+                ident.set_languages([c for c in ident.nb_classes if len(c) == 2 or c == NO_LANGUAGE])
+                _IDENTIFIER = ident
     return _IDENTIFIER
 
 
@@ -126,7 +135,7 @@ def identify_language(answer: str | None, settings: QualitySettings) -> tuple[st
         return None, None
     lang, score = _identifier().classify(prose)
     score = round(float(score), 4)
-    if score < settings.language_min_score:
+    if score < settings.language_min_score or lang == NO_LANGUAGE:
         return None, score
     return str(lang), score
 

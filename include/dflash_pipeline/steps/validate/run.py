@@ -20,9 +20,11 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dflash_pipeline.config.quality import QualitySettings
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.records import read_parquet, unit_keys
 from dflash_pipeline.dataset.store import Store, with_retries
+from dflash_pipeline.steps.quality import tally as quality_tally
 from dflash_pipeline.steps.validate import acceptance
 from dflash_pipeline.steps.validate.checks import Validator, to_numpy, unfinished_mask
 from dflash_pipeline.steps.validate.report import (
@@ -114,12 +116,14 @@ def run_validation(
     thresholds: Thresholds | None = None,
     tokenizer: str | None = None,
     plots: bool = True,
+    quality: QualitySettings | None = None,
     target_mix: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Check the dataset under `output_uri` against its plan; write the report, side files and plots.
 
     Raises ValidationFailed (after writing everything) when the dataset is not complete and exact
-    or breaks a threshold. `target_mix` (config.mix) is shown next to the mix; it never fails validation.
+    or breaks a threshold. The quality signals (`quality`, default settings when None) are counted in
+    the report and never fail it. `target_mix` (config.mix) is shown next to the mix; it never fails validation.
     """
     started = time.monotonic()
     thresholds = thresholds or Thresholds()
@@ -149,6 +153,10 @@ def run_validation(
         columns += ["messages", "conversation"]
 
     columns += [c for c in acceptance.READ_COLUMNS if c not in columns]
+    quality = quality or QualitySettings()
+    signals = quality_tally.QualityTally(quality) if quality.enabled else None
+    if signals is not None:
+        columns += [c for c in quality_tally.READ_COLUMNS if c not in columns]
     spec = acceptance.AcceptanceTally(thinking)
     v = Validator(thinking, recounter)
     t = v.t
@@ -195,12 +203,16 @@ def run_validation(
                     _ensure_marker(store, layout, c, table, c in markers)
                     spec.add(table)
                     labels.add(table)
+                    if signals is not None:
+                        signals.add(table)
                     mix.add(table, thinking)
                 v.add_chunk(planned_ids, table)
                 if c and c % 500 == 0:
                     logger.info("validated %d of %d chunks (%d rows) in %.0fs", c, len(sizes), t.completions + t.errors,
                                 time.monotonic() - started)
         v.finish()
+        if signals is not None:
+            signals.finish(store, layout)
 
         files: dict[str, Any] = {}
         keys = side_file_keys(layout)
@@ -232,13 +244,17 @@ def run_validation(
     report = build_report(t, manifest, layout, thresholds, files)
     report["acceptance"] = spec.report()
     report.update(label_report_fields(labels, manifest))
+    report["quality"] = signals.report() if signals is not None else quality_tally.disabled_report()
+    if signals is not None:
+        files["near_duplicates"] = signals.near_key
+        report["files"] = files
     report["mix"] = mix_section
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     with_retries(
         lambda: store.put(layout.report_key, json.dumps(report, indent=1).encode(), content_type="application/json"),
         what="write report",
     )
-    md = (report_markdown(report) + label_markdown(report)
+    md = (report_markdown(report) + label_markdown(report) + quality_tally.markdown(report["quality"])
           + mixreport.markdown(mix_section, "mix (before filters)", plot_key=mixreport.plot_key(files))
           + acceptance.markdown(report["acceptance"]))
     with_retries(lambda: store.put(layout.report_md_key, md.encode(), content_type="text/markdown"), what="write report.md")

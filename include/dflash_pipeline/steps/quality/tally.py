@@ -1,0 +1,225 @@
+"""The quality signals counted for the validation report: per flag overall, by thinking mode and by domain,
+with a few example rows (id + excerpt); the answers' languages; the near-duplicate prompts.
+
+Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
+dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
+near_duplicates.parquet), then `report` / `markdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dflash_pipeline.config.quality import QualitySettings
+from dflash_pipeline.dataset.layout import DatasetLayout
+from dflash_pipeline.dataset.records import unit_key
+from dflash_pipeline.dataset.store import Store
+from dflash_pipeline.steps.quality.near_dup import NearDuplicateFinder, prompt_text, write_near_duplicates
+from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, row_signals, turns_of
+
+logger = logging.getLogger(__name__)
+
+READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "conversation", "turns",
+                "thinking", "domain", "error_class")
+"""Part columns the signals read (older parts lack some: read when present)."""
+EXAMPLES = 5
+"""Example rows kept per flag."""
+EXCERPT_CHARS = 240
+MAX_DOMAINS = 50
+"""Domains listed per flag; the rest are summed under "(other)"."""
+UNKNOWN = "unknown"
+
+
+def _label(value: Any, lower: bool = False) -> str:
+    if value is None or value == "":
+        return UNKNOWN
+    return str(value).lower() if lower else str(value)
+
+
+def _excerpt(text: str, tail: bool = False) -> str:
+    text = " ".join(text.split())
+    if len(text) <= EXCERPT_CHARS:
+        return text
+    return "…" + text[-EXCERPT_CHARS:] if tail else text[:EXCERPT_CHARS] + "…"
+
+
+def _example_text(flag: str, row: dict[str, Any], signals: dict[str, Any]) -> str:
+    """What shows the flag: the end of a looping or cut text, the start of a refusal or a foreign answer."""
+    turns = turns_of(row)
+    if flag == "loop_reasoning":
+        return _excerpt(next((r for r, _, _ in turns if r), ""), tail=True)
+    if flag in ("loop_answer", "refusal", "language"):
+        text = "\n".join(a for _, a, _ in turns if a)
+        if flag == "language":
+            return f"[{signals.get('language')} {signals.get('language_score')}] " + _excerpt(text)
+        return _excerpt(text, tail=flag == "loop_answer")
+    # truncated_thinking, empty_answer: how the reasoning ended
+    return _excerpt(turns[-1][0] if turns else "", tail=True)
+
+
+class FlagCount:
+    """One flag's rows: in all, by thinking mode, by domain, and the first few examples."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.by_thinking: Counter[str] = Counter()
+        self.by_domain: Counter[str] = Counter()
+        self.examples: list[dict[str, str]] = []
+
+    def add(self, thinking: str, domain: str, key: str, excerpt: str | None, n: int = 1) -> None:
+        self.rows += n
+        self.by_thinking[thinking] += n
+        self.by_domain[domain] += n
+        if excerpt is not None and len(self.examples) < EXAMPLES:
+            self.examples.append({"id": key, "excerpt": excerpt})
+
+    def to_dict(self, total: int, totals_by_thinking: Counter[str], totals_by_domain: Counter[str]) -> dict[str, Any]:
+        def share(k: int, n: int) -> float:
+            return round(k / n, 4) if n else 0.0
+
+        ranked = self.by_domain.most_common()
+        by_domain = {d: {"rows": k, "share": share(k, totals_by_domain[d])} for d, k in ranked[:MAX_DOMAINS]}
+        if ranked[MAX_DOMAINS:]:
+            by_domain["(other)"] = {"rows": sum(k for _, k in ranked[MAX_DOMAINS:]), "labels": len(ranked) - MAX_DOMAINS}
+        return {
+            "rows": self.rows,
+            "share": share(self.rows, total),
+            "by_thinking": {t: {"rows": k, "share": share(k, totals_by_thinking[t])}
+                            for t, k in sorted(self.by_thinking.items())},
+            "by_domain": by_domain,
+            "examples": self.examples,
+        }
+
+
+class QualityTally:
+    """Folds completion parts into the quality counts; `finish` runs the near-duplicate search."""
+
+    def __init__(self, settings: QualitySettings) -> None:
+        self.settings = settings
+        self.rows = 0
+        self.flags = {f: FlagCount() for f in QUALITY_FLAGS}
+        self.by_thinking: Counter[str] = Counter()
+        self.by_domain: Counter[str] = Counter()
+        self.languages: Counter[str] = Counter()
+        self.flagged_per_id: dict[str, int] = {}
+        self.rows_per_id_flagged_any = 0
+        self.near = NearDuplicateFinder(settings.near_duplicate_threshold, settings.near_duplicate_num_perm)
+        self._label_codes: dict[tuple[str, str], int] = {}
+        self.near_rows: list[tuple[str, str, float]] = []
+        self.near_key: str | None = None
+        self.seconds = 0.0
+
+    def add(self, part: pa.Table) -> None:
+        """The completion rows of one part (error rows and unfinished rows are not completions)."""
+        started = time.perf_counter()
+        names = part.column_names
+        keep = pc.fill_null(pc.is_in(part.column("finish_reason"), pa.array(["stop", "length"])), False)
+        if "error_class" in names:
+            keep = pc.and_(keep, pc.is_null(part.column("error_class")))
+        tbl = part.filter(keep).select([c for c in READ_COLUMNS if c in names])
+        rows = tbl.to_pylist()
+        ids: list[str] = []
+        prompts: list[str] = []
+        tags: list[int] = []
+        for row in rows:
+            self.rows += 1
+            thinking = _label(row.get("thinking"), lower=True)
+            domain = _label(row.get("domain"))
+            self.by_thinking[thinking] += 1
+            self.by_domain[domain] += 1
+            sig = row_signals(row, self.settings)
+            self.languages[sig["language"] or "undetermined"] += 1
+            flags = flags_of(sig, self.settings)
+            pid = row["id"]
+            if flags:
+                key = unit_key(row)
+                self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
+                for f in flags:
+                    fc = self.flags[f]
+                    fc.add(thinking, domain, key, _example_text(f, row, sig) if len(fc.examples) < EXAMPLES else None)
+            tags.append(self._label_codes.setdefault((thinking, domain), len(self._label_codes)))
+            ids.append(pid)
+            prompts.append(prompt_text(row.get("messages") or _context_of(row)))
+        self.near.add(ids, prompts, tags)
+        self.seconds += time.perf_counter() - started
+
+    def finish(self, store: Store, layout: DatasetLayout) -> None:
+        """Find the near-duplicate prompts, count them, and write near_duplicates.parquet."""
+        started = time.perf_counter()
+        self.near_rows = self.near.finish()
+        self.near_key = write_near_duplicates(store, layout, self.near_rows)
+        fc = self.flags["near_duplicate"]
+        labels = {code: label for label, code in self._label_codes.items()}
+        extra = 0
+        for (pid, dup_of, sim), tag, rows in zip(self.near_rows, self.near.tags, self.near.rows):
+            thinking, domain = labels.get(tag, (UNKNOWN, UNKNOWN))
+            fc.add(thinking, domain, pid, f"duplicate of {dup_of} (similarity {sim})" if len(fc.examples) < EXAMPLES
+                   else None, n=rows)
+            extra += rows - self.flagged_per_id.get(pid, 0)
+        self.rows_per_id_flagged_any = sum(self.flagged_per_id.values()) + extra
+        self.seconds += time.perf_counter() - started
+        logger.info("quality signals over %d completions in %.1fs; %d near-duplicate prompt(s) written to %s",
+                    self.rows, self.seconds, len(self.near_rows), self.near_key)
+
+    def report(self) -> dict[str, Any]:
+        """report.json's `quality` section."""
+        langs = self.languages.most_common()
+        return {
+            "settings": self.settings.to_dict(),
+            "rows": self.rows,
+            "rows_flagged": self.rows_per_id_flagged_any,
+            "rows_flagged_share": round(self.rows_per_id_flagged_any / self.rows, 4) if self.rows else 0.0,
+            "flags": {f: c.to_dict(self.rows, self.by_thinking, self.by_domain) for f, c in self.flags.items()},
+            "languages": dict(langs[:MAX_DOMAINS]) | ({"(other)": sum(k for _, k in langs[MAX_DOMAINS:])}
+                                                     if langs[MAX_DOMAINS:] else {}),
+            "near_duplicates": {"key": self.near_key, "prompts": self.near.prompts, "duplicates": len(self.near_rows),
+                                "empty_prompts": self.near.empty, "seconds": round(self.near.seconds, 2)},
+            "seconds": round(self.seconds, 2),
+            "note": "Quality signals never fail validation; tokenize's drop_quality decides what is dropped "
+                    "(docs/quality.md). language is flagged only when `languages` is set.",
+        }
+
+
+def _context_of(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation's messages when the part has no `messages` column."""
+    return list(row.get("conversation") or [])
+
+
+def markdown(q: dict[str, Any] | None) -> str:
+    """report.md's quality section."""
+    if not q:
+        return ""
+    if q.get("disabled"):
+        return "\n## quality signals\n\nNot computed (quality_signals is false).\n"
+    lines = ["", "## quality signals", "",
+             f"{q['rows']:,} completions checked; {q['rows_flagged']:,} ({q['rows_flagged_share']:.2%}) carry at least "
+             "one flag. Flags never fail validation: tokenize's drop_quality decides what is dropped.", "",
+             "| flag | rows | share | by thinking | top domains |", "|---|---:|---:|---|---|"]
+    for name, f in q["flags"].items():
+        thinking = ", ".join(f"{k}: {v['rows']:,} ({v['share']:.1%})" for k, v in f["by_thinking"].items()) or "-"
+        domains = ", ".join(f"{k}: {v['rows']:,}" for k, v in list(f["by_domain"].items())[:3]) or "-"
+        lines.append(f"| {name} | {f['rows']:,} | {f['share']:.2%} | {thinking} | {domains} |")
+    langs = ", ".join(f"{k}: {v:,}" for k, v in list(q["languages"].items())[:10])
+    nd = q["near_duplicates"]
+    lines += ["", f"Answer languages (py3langid): {langs or '-'}.", "",
+              f"Near-duplicate prompts (MinHash, threshold {q['settings']['near_duplicate_threshold']}, "
+              f"{q['settings']['near_duplicate_num_perm']} permutations): {nd['duplicates']:,} of {nd['prompts']:,} "
+              f"prompts, listed in `{nd['key']}`."]
+    examples = [(name, e) for name, f in q["flags"].items() for e in f["examples"][:3]]
+    if examples:
+        lines += ["", "### examples", ""]
+        lines += [f"- {name} `{e['id']}`: {e['excerpt'].replace('|', '¦')}" for name, e in examples]
+    return "\n".join(lines) + "\n"
+
+
+def disabled_report() -> dict[str, Any]:
+    return {"disabled": True}
+
+
+__all__ = ["EXAMPLES", "READ_COLUMNS", "QualityTally", "disabled_report", "markdown"]
