@@ -132,7 +132,7 @@ def main() -> None:
             planned = plan(client, [layout.uri], tcfg)
             for a in planned["assignments"]:
                 run_assignment(client, a)
-            tok = write_report(client, planned["datasets"][0], tcfg.target_mix)
+            tok = write_report(client, planned["datasets"][0], target_mix=tcfg.target_mix)
             print(f"# tokenize min_loss_tokens={mlt}: {tok['rows_out']} training rows, dropped {tok['dropped_by_reason']}")
             print(mixreport.markdown(tok["mix"], f"mix after filters (min_loss_tokens {mlt})"))
             results[f"min_loss_tokens={mlt}"] = {"mix": tok["mix"], "dropped_by_reason": tok["dropped_by_reason"]}

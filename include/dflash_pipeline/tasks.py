@@ -294,9 +294,11 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
     cfg = tokenize_config(params)
     client = s3_client(cfg.aws_conn_id)
     keys = ("output_uri", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
-            "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length")
+            "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length",
+            "gate", "dropped_by_thinking")
     with _fail_fast():
-        summaries = [{k: r[k] for k in keys} for r in (write_report(client, d, cfg.target_mix) for d in datasets)]
+        summaries = [{k: r[k] for k in keys}
+                     for r in (write_report(client, d, cfg.min_kept_share, target_mix=cfg.target_mix) for d in datasets)]
     if outlet_events is not None:
         outlet_events[tokenized_asset()].extra = {"format": TOKENIZED_FORMAT, "datasets": summaries}
     return summaries

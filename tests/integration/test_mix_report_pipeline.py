@@ -129,7 +129,7 @@ def test_tokenize_reports_the_mix_it_kept_next_to_validation(validated: dict[str
     planned = plan(s3_client, [layout.uri], cfg)
     for a in planned["assignments"]:
         run_assignment(s3_client, a)
-    report = write_report(s3_client, planned["datasets"][0], cfg.target_mix)
+    report = write_report(s3_client, planned["datasets"][0], target_mix=cfg.target_mix)
     mix = report["mix"]
     assert mix["basis"] == "completions kept by tokenize" and mix["before_completions"] == N
     assert mix["parts_counted"] == report["parts_tokenized"] > 0

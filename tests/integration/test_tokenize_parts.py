@@ -125,10 +125,12 @@ def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLa
     table = _read_tokenized(s3_client, bucket, dataset)
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
     assert table.schema.field("loss_mask").type == pa.list_(pa.int8())
-    old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
-    # one training row per regenerated turn: old rows 1, all_turns rows 2 (the "old" answer is replaced)
+    old_rows, new_rows = 3 * (ROWS - 2), 2 * ROWS
+    # one training row per regenerated turn: old rows 1, all_turns rows 2 (the "old" answer is replaced); an old
+    # part's row 7, cut at max_tokens 8 inside its thinking, is dropped by the default drop_quality
     assert table.num_rows == old_rows + 2 * new_rows == report["rows_out"]
-    assert report["rows_in"] == PARTS * ROWS and report["dropped_by_reason"] == {"error_row": 3}
+    assert report["rows_in"] == PARTS * ROWS
+    assert report["dropped_by_reason"] == {"error_row": 3, "quality:truncated_thinking": 3}
     assert report["ids_source"] == {"engine": new_rows, "retokenized": old_rows + new_rows}
     assert report["rows_with_engine_ids"] == new_rows // 2 and report["unverified"] == 0
     assert report["tokens"] == sum(table.column("num_tokens").to_pylist())
@@ -217,7 +219,7 @@ def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bu
     assert len(list(_objects(s3_client, bucket, dataset.tokenized_stats_prefix))) == PARTS
     report = write_report(s3_client, planned["datasets"][0])
     table = _read_tokenized(s3_client, bucket, dataset)
-    assert report["rows_out"] == table.num_rows == 3 * (ROWS - 1) + 4 * ROWS
+    assert report["rows_out"] == table.num_rows == 3 * (ROWS - 2) + 4 * ROWS  # error rows and truncated thinking out
 
 
 def test_a_missing_part_fails_the_report(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:

@@ -182,3 +182,14 @@ def test_param_schema_holds_the_bounds() -> None:
         for bad in ({"nope": {"a": 1}}, {"domain": {"a": 2}}, {"domain": {}}, {"domain": {"a": "x"}}):
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(bad, schema)
+
+
+def test_kept_counts_count_the_completions_with_a_training_row_and_their_language() -> None:
+    part = _part([_row(0, domain="math"), _row(1, domain="code"), _row(2, domain="chat", error_class="X")])
+    training = pa.table({"id": ["r0", "r0", "r1"], "sample": [0, 0, 1], "language": ["en", "en", "de"]})
+    counts = mixreport.kept_counts(part, training, default_thinking=True)
+    mix = mixreport.mix_report(counts)
+    assert mix["completions"] == 1  # r1's training row is of sample 1, not this part's sample-0 row
+    assert _by(mix, "domain", "count") == {"math": 1} and _by(mix, "language", "count") == {"en": 1}
+    none = mixreport.kept_counts(part, training.slice(0, 0), default_thinking=True)
+    assert none["completions"] == 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.config.mix import check_target_mix, target_mix_schema
+from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
@@ -77,6 +78,18 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "a dataset planned before it had a split, or a benchmark named later. Pinned with the settings.",
         "section": SECTION_TOKENIZE,
     },
+    "min_kept_share": {
+        "type": "number",
+        "default": 0.7,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "Fail the run (after writing tokenized/report.json with the reasons) when the training rows "
+        "kept are fewer than this share of the rows counted (kept + dropped for any reason but heldout). Catches a "
+        "wrong tokenizer, a filter that flags everything, a dataset of errors. 0 turns the gate off (a run that "
+        "keeps no row still fails). The simulator at the job's lengths keeps 91% with thinking on (its thinking "
+        "cut at max_tokens dropped) and 100% off: docs/quality.md.",
+        "section": SECTION_TOKENIZE,
+    },
     "workers": {
         "type": "integer",
         "default": 4,
@@ -99,7 +112,7 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 # -- what the trainers read (issue 23): output profiles and DFlash-ready rows. One block; the sources of the
 # defaults are in steps/tokenize/dflash.py and docs/trainers.md.
 TOKENIZE_PROFILES = ("parquet", "specforge", "speculators")
-DFLASH_MIN_LOSS_TOKENS = 32  # 2 x SpecForge's DFlash block size 16
+DFLASH_MIN_LOSS_TOKENS = 2  # SpecForge 0.2.0's DFlash rule (dflash_min_loss_tokens); why: docs/quality.md "Tokenize gates"
 TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "max_length": {
         "type": "integer",
@@ -127,8 +140,10 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": DFLASH_MIN_LOSS_TOKENS,
         "minimum": 0,
         "maximum": 1048576,
-        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report. "
-        "Default 2 x DFlash's block size 16; SpecForge 0.2.0 itself requires only 2.",
+        "description": "Drop rows with fewer trained tokens (after the cut at max_length); counted in the report by "
+        "thinking mode and domain. Default 2, SpecForge 0.2.0's own DFlash rule: a higher floor drops short answers, "
+        "mostly thinking-off ones (32 dropped 90% of the demo's thinking-off turns, 23% of thinking-on: "
+        "docs/quality.md).",
         "section": SECTION_TOKENIZE,
     },
     "require_consecutive_loss_tokens": {
@@ -141,6 +156,31 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
 TOKENIZE_PARAM_SCHEMAS["target_mix"] = target_mix_schema(SECTION_TOKENIZE)  # the mix report's target (report only)
+
+# -- quality filtering and gates (issue 32; steps/tokenize/gates.py, steps/tokenize/qualityfilter.py) --------
+QUALITY_FLAG_NAMES = ("loop_reasoning", "loop_answer", "truncated_thinking", "empty_answer", "refusal",
+                      "near_duplicate", "language")
+"""steps.quality.QUALITY_FLAGS (config cannot import steps; a unit test keeps the two equal)."""
+ROW_QUALITY_PARAMS = ("loop_ngram", "loop_min_span_tokens", "loop_min_repeats", "loop_max_period", "refusal_patterns",
+                      "refusal_scan_chars", "languages", "language_min_score", "language_min_chars")
+"""The quality params that decide a row's signals, taken by tokenize too (same names, schemas and defaults as
+dflash_generate's validation), pinned with the settings."""
+GATE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "drop_quality": {
+        "type": "array",
+        "default": list(QUALITY_FLAG_NAMES),
+        "uniqueItems": True,
+        "items": {"type": "string", "enum": list(QUALITY_FLAG_NAMES)},
+        "description": "Quality flags whose rows are dropped (each counted as 'quality:<flag>' in the report and the "
+        "card, by thinking mode and domain): repetition loops in reasoning or answer, thinking cut at max_tokens, "
+        "empty answers, refusals (refusal_patterns), near-duplicate prompts (found at validation), answers not in "
+        "'languages' (only when that list is given). [] keeps every row. docs/quality.md explains each flag.",
+        "section": SECTION_TOKENIZE,
+    },
+}
+TOKENIZE_PARAM_SCHEMAS.update(GATE_PARAM_SCHEMAS)
+TOKENIZE_PARAM_SCHEMAS.update({name: {**QUALITY_PARAM_SCHEMAS[name], "section": SECTION_TOKENIZE}
+                               for name in ROW_QUALITY_PARAMS})
 
 
 @dataclass(frozen=True)
@@ -161,6 +201,10 @@ class TokenizeConfig:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
+    min_kept_share: float = TOKENIZE_PARAM_SCHEMAS["min_kept_share"]["default"]
+    drop_quality: tuple[str, ...] = QUALITY_FLAG_NAMES
+    quality: tuple[tuple[str, Any], ...] = ()
+    """The ROW_QUALITY_PARAMS given (name, value); missing ones take their defaults."""
     target_mix: dict[str, dict[str, float]] | None = None
 
     @classmethod
@@ -183,4 +227,16 @@ class TokenizeConfig:
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
+        values["drop_quality"] = tuple(f for f in QUALITY_FLAG_NAMES if f in values["drop_quality"])
+        quality = {n: values.pop(n) for n in ROW_QUALITY_PARAMS}
+        values["quality"] = tuple((n, tuple(v) if isinstance(v, list) else v) for n, v in quality.items())
+        from dflash_pipeline.config.quality import compile_patterns
+
+        compile_patterns(quality["refusal_patterns"])  # a bad pattern is refused here, before any worker
         return cls(**values)
+
+    def quality_params(self) -> dict[str, Any]:
+        """The row-signal quality params, every one (defaults filled in), JSON-ready."""
+        given = dict(self.quality)
+        return {n: (list(v) if isinstance(v, tuple) else v) for n, v in
+                ((n, given.get(n, QUALITY_PARAM_SCHEMAS[n]["default"])) for n in ROW_QUALITY_PARAMS)}

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from dflash_pipeline.steps.tokenize.gates import card_lines
 from dflash_pipeline.steps.tokenize.profiles import HF_FEATURES, PROFILES, profile_globs
 
 # config name → (profile, file kind, what it is for)
@@ -132,6 +133,7 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         f"speculators cut them), at least {_fmt(min_loss)} loss tokens, two of them adjacent (DFlash anchors a "
         "block on a trained token followed by a trained token).", "",
     ]
+    lines += card_lines(report)
     conv = ((report.get("profiles") or {}).get("specforge") or {}).get("specforge_conversations") or {}
     if "specforge" in profiles:
         skipped = conv.get("skipped") or {}

@@ -10,8 +10,9 @@ report's row count is what the drafter trains on. The rules, from the trainers' 
 * no loss token left after the cut: dropped (speculators drops these as "unsupervised").
 * fewer than ``min_loss_tokens`` loss tokens: dropped. SpecForge's offline preparation dropped rows with
   fewer than 2 x block_size (block_size 16: ``populate_dflash_generated_config``) until its commit
-  7757409f (2026-07-30); SpecForge 0.2.0 asks only 2 (``dflash_min_loss_tokens``). The default here is the
-  recipe's 2 x 16 = 32; set ``min_loss_tokens`` 2 to keep everything SpecForge 0.2.0 would train on.
+  7757409f (2026-07-30); SpecForge 0.2.0 asks only 2 (``dflash_min_loss_tokens``), and so does the default
+  here: a higher floor drops short answers, which are mostly thinking-off ones, and skews the mix
+  (measured in docs/quality.md, "Tokenize gates").
 * no two consecutive loss tokens: dropped. DFlash anchors a block on a supervised token whose next token is
   supervised too; SpecForge raises on a batch without such a pair (``_sample_anchor_positions``) and filters
   pre-tokenized rows with ``has_consecutive_supervised_tokens`` (its DFlash ``loss_mask_filter``).
@@ -34,7 +35,7 @@ from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TRAINER_PARAM_SCHEMAS
 DFLASH_BLOCK_SIZE = 16
 """SpecForge 0.2.0's DFlash block size (specforge/algorithms/model_providers.py, generated draft configs)."""
 DEFAULT_MIN_LOSS_TOKENS = DFLASH_MIN_LOSS_TOKENS
-"""2 x DFLASH_BLOCK_SIZE (the `min_loss_tokens` param's default, in config/tokenize.py)."""
+"""SpecForge 0.2.0's DFlash minimum, 2 (the `min_loss_tokens` param's default, in config/tokenize.py)."""
 DEFAULT_MAX_LENGTH: int = TRAINER_PARAM_SCHEMAS["max_length"]["default"]
 """SpecForge's Qwen3.5/3.6 DFlash recipes (examples/configs/qwen3.6-27b-dflash-online.yaml,
 qwen3.5-35b-a3b-dflash-online.yaml: data.max_length 4096)."""
@@ -55,6 +56,8 @@ class FilterResult:
     dropped: dict[str, int] = field(default_factory=dict)
     cut: int = 0
     """Rows longer than max_length that were cut and kept."""
+    dropped_rows: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per reason, the indices (in the input table) of the rows dropped for it."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows_kept": int(len(self.kept)), "dropped": dict(self.dropped), "cut_to_max_length": self.cut}
@@ -107,6 +110,7 @@ def dflash_ready(
     for code, (_, failed) in enumerate(checks):
         reason[(reason == -1) & failed] = code
     dropped = {name: int(np.sum(reason == code)) for code, (name, _) in enumerate(checks) if np.any(reason == code)}
+    dropped_rows = {name: np.nonzero(reason == code)[0] for code, (name, _) in enumerate(checks) if np.any(reason == code)}
     kept = np.nonzero(reason == -1)[0]
     cut_rows = lengths > max_length
 
@@ -127,4 +131,4 @@ def dflash_ready(
         for name, arr in replace.items():
             out = out.set_column(out.schema.get_field_index(name), out.schema.field(name), arr)
     return FilterResult(table=out.take(pa.array(kept, type=pa.int64())), kept=kept, dropped=dropped,
-                        cut=int(np.sum(cut_rows[kept])) if len(kept) else 0)
+                        cut=int(np.sum(cut_rows[kept])) if len(kept) else 0, dropped_rows=dropped_rows)

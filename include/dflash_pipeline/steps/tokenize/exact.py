@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,9 +43,11 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
+from dflash_pipeline.config.tokenize import QUALITY_FLAG_NAMES
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
+from dflash_pipeline.steps.tokenize.gates import DropTally, domain_of, mode_of
 from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
 from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, Recounter, text_variants
 
@@ -124,6 +126,10 @@ class TokenizeSettings:
     require_consecutive_loss_tokens: bool = True
     format: int = SETTINGS_FORMAT
     heldout_uri: str | None = None  # ids refused on top of the manifest's split (steps/tokenize/heldout.py)
+    drop_quality: tuple[str, ...] = QUALITY_FLAG_NAMES
+    """Quality flags whose rows are dropped (steps/tokenize/qualityfilter.py)."""
+    quality: dict[str, Any] = field(default_factory=dict)
+    """The row-signal quality params (config.tokenize.ROW_QUALITY_PARAMS) the flags are computed with."""
 
     def __post_init__(self) -> None:
         if self.train_turns not in TRAIN_TURNS:
@@ -134,6 +140,7 @@ class TokenizeSettings:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["profiles"] = list(self.profiles)
+        out["drop_quality"] = list(self.drop_quality)
         return out
 
     @classmethod
@@ -142,6 +149,8 @@ class TokenizeSettings:
         values.setdefault("format", 1)  # pinned before this field existed: the old method
         if "profiles" in values:
             values["profiles"] = tuple(values["profiles"])
+        values["drop_quality"] = tuple(values.get("drop_quality", ()))  # pinned before quality filtering: none
+        values["quality"] = dict(values.get("quality") or {})
         return cls(**values)
 
 
@@ -387,22 +396,42 @@ class PartStats:
     whose trainer re-tokenizes text, SpecForge's conversations, is written; they are left out of it)."""
     profiles: dict[str, Any] = field(default_factory=dict)
     """Per profile: rows written, files, and the SpecForge conversations export's figures."""
+    kept_by_thinking: dict[str, int] = field(default_factory=dict)
+    kept_by_domain: dict[str, int] = field(default_factory=dict)
+    dropped_by_thinking: dict[str, dict[str, int]] = field(default_factory=dict)
+    dropped_by_domain: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Training rows kept, and dropped per reason, by thinking mode ("on" / "off") and domain (gates.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+RowFilter = Callable[[Mapping[str, Any]], "str | None"]
+"""A completion row → the reason to drop it (counted once, before its turns are built), or None to keep it."""
+
+
 def tokenize_table(
-    table: pa.Table, builder: TrainingRowBuilder, batch_rows: int = 256
+    table: pa.Table, builder: TrainingRowBuilder, batch_rows: int = 256,
+    row_filters: Sequence[RowFilter] = (), extra_columns: Sequence[str] = (),
 ) -> tuple[pa.Table, list[list[dict[str, Any]]], PartStats]:
     """One completions part → (training rows, each row's conversation as generated, stats).
 
     The rows are DFlash-ready (dflash.py: cut at max_length, at least `min_loss_tokens` trained tokens,
     two adjacent); the conversations (role, content, reasoning: the context as the request carried it,
-    then the trained turn with its reasoning) are aligned with the rows, for the conversations exports."""
+    then the trained turn with its reasoning) are aligned with the rows, for the conversations exports.
+    `row_filters` (held-out split, quality flags) drop whole completion rows first, in order, each drop
+    counted once under the first filter's reason; `extra_columns` are what they read besides the usual.
+    Every drop is also counted by the row's thinking mode and domain (stats.dropped_by_*)."""
     s = builder.settings
     stats = PartStats(rows_in=table.num_rows)
     dropped: Counter[str] = Counter()
+    tally = DropTally()
+
+    def drop(reason: str, label: tuple[str, str]) -> None:
+        dropped[reason] += 1
+        tally.drop(reason, *label)
+
+    built_labels: list[tuple[str, str]] = []
     by_turns: Counter[str] = Counter()
     cols: dict[str, list[Any]] = {n: [] for n in ("id", "sample", "turn", "key", "finish_reason", "ids_source")}
     id_arrays: list[np.ndarray] = []
@@ -412,16 +441,24 @@ def tokenize_table(
     conversations: list[list[dict[str, Any]]] = []
     spec_rows: list[dict[str, Any]] = []
     wanted = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
-              "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids")
+              "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", "thinking",
+              "domain", *extra_columns)
+    wanted = tuple(dict.fromkeys(wanted))
     for batch in table.select([c for c in wanted if c in table.column_names]).to_batches(max_chunksize=batch_rows):
         todo: list[tuple[str, int, TurnSource]] = []
+        labels: list[tuple[str, str]] = []
         for row in batch.to_pylist():
+            label = (mode_of(row.get("thinking"), s.enable_thinking), domain_of(row.get("domain")))
             if row.get("error_class"):
-                dropped[DROP_ERROR] += 1
+                drop(DROP_ERROR, label)
+                continue
+            refused = next((r for r in (f(row) for f in row_filters) if r), None)
+            if refused:
+                drop(refused, label)
                 continue
             turns = turns_of(row)
             if not turns:
-                dropped[DROP_NO_TURN] += 1
+                drop(DROP_NO_TURN, label)
                 continue
             with_ids = sum(1 for t in turns if t.output_ids is not None)
             stats.rows_with_engine_ids += with_ids == len(turns)
@@ -431,10 +468,11 @@ def tokenize_table(
             sample = int(row.get("sample") or 0)
             for t in chosen:
                 if s.drop_truncated and t.finish_reason == "length":
-                    dropped[DROP_TRUNCATED] += 1
+                    drop(DROP_TRUNCATED, label)
                 else:
                     todo.append((row["id"], sample, t))
-        for (row_id, sample, _), b in zip(todo, builder.build(todo)):
+                    labels.append(label)
+        for (row_id, sample, _), label, b in zip(todo, labels, builder.build(todo)):
             if b.template_differs:
                 stats.prompt_template_differs += 1
                 if len(stats.prompt_template_differs_examples) < EXAMPLES_KEPT:
@@ -444,8 +482,9 @@ def tokenize_table(
                 if len(stats.unverified_examples) < EXAMPLES_KEPT:
                     stats.unverified_examples.append(f"{b.key}: {b.unverified}")
             if b.drop is not None:
-                dropped[b.drop] += 1
+                drop(b.drop, label)
                 continue
+            built_labels.append(label)
             assert b.input_ids is not None and b.loss_mask is not None
             cols["id"].append(row_id)
             cols["sample"].append(sample)
@@ -488,6 +527,13 @@ def tokenize_table(
     out = ready.table.select(TOKENIZED_SCHEMA.names).cast(TOKENIZED_SCHEMA)
     conversations = [conversations[i] for i in ready.kept.tolist()]
     dropped.update(ready.dropped)
+    for reason, rows in ready.dropped_rows.items():
+        for i in rows.tolist():
+            tally.drop(reason, *built_labels[i])
+    for i in ready.kept.tolist():
+        tally.keep(*built_labels[i])
+    for name, value in tally.to_dict().items():
+        setattr(stats, name, value)
     n_tokens = out.column("num_tokens").to_numpy().astype(np.int64) if out.num_rows else np.zeros(0, np.int64)
     n_loss = out.column("num_loss_tokens").to_numpy().astype(np.int64) if out.num_rows else np.zeros(0, np.int64)
     stats.rows_out = out.num_rows

@@ -22,14 +22,19 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from dflash_pipeline.config import ConfigError, TokenizeConfig
+from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS, ConfigError, TokenizeConfig
 from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 from dflash_pipeline.steps.tokenize.card import dataset_card
 from dflash_pipeline.dataset.heldout import HeldoutSplit
 from dflash_pipeline.steps.tokenize.exact import PartStats, TokenizeSettings, TrainingRowBuilder, tokenize_table
-from dflash_pipeline.steps.tokenize.heldout import DROP_HELDOUT, drop_heldout, load_heldout, split_summary
+from dflash_pipeline.steps.tokenize.gates import add_breakdown, breakdown_lines, failure_message, gate, sorted_breakdown
+from dflash_pipeline.steps.tokenize.heldout import DROP_HELDOUT, load_heldout, split_summary
+from dflash_pipeline.steps.quality.near_dup import load_near_duplicates
+from dflash_pipeline.steps.quality.signals import SIGNAL_COLUMNS
+from dflash_pipeline.steps.tokenize.exact import RowFilter
 from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile_globs
+from dflash_pipeline.steps.tokenize.qualityfilter import NEAR_DUPLICATE, quality_filter
 from dflash_pipeline.steps.tokenize.rowlabels import LABEL_COLUMNS, labels_by_unit, with_labels
 from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
 from dflash_pipeline.steps.validate import mix as mixreport
@@ -40,11 +45,12 @@ logger = logging.getLogger(__name__)
 REPORT_FORMAT = "dflash-pipeline/tokenized/2"
 READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
                 "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", *LABEL_COLUMNS,
-                "language")  # language: the quality signals' column, for the mix report (absent: "unknown")
+                *SIGNAL_COLUMNS)
 
 
 class TokenizeFailed(Exception):
-    """Parts are missing after every worker ran, or a part cannot be read: the report says which."""
+    """Parts are missing after every worker ran, a part cannot be read, or the run kept fewer rows than
+    `min_kept_share` of them (gates.py): the report says which, with the reasons."""
 
 
 def _get_json(store: Store, key: str) -> dict[str, Any] | None:
@@ -102,7 +108,8 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                             keep_unverified=cfg.keep_unverified, profiles=cfg.profiles,
                             min_loss_tokens=cfg.min_loss_tokens,
                             require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens,
-                            heldout_uri=cfg.heldout_uri)
+                            heldout_uri=cfg.heldout_uri, drop_quality=cfg.drop_quality,
+                            quality=cfg.quality_params())
 
 
 def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
@@ -182,16 +189,18 @@ _CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "applica
 
 
 def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingRowBuilder, table: Any,
-                  split: HeldoutSplit | None = None) -> tuple[str, PartStats]:
-    """Build one completions part's training rows (held-out conversations refused first, the input rows'
-    labels carried onto them) and write every profile's file, then its stats (the part's commit point).
-    Returns ("written" | "lost_race", stats)."""
+                  split: HeldoutSplit | None = None, quality: RowFilter | None = None) -> tuple[str, PartStats]:
+    """Build one completions part's training rows (held-out conversations refused first, then rows with a
+    quality flag of drop_quality; the input rows' labels carried onto them) and write every profile's file,
+    then its stats (the part's commit point). Returns ("written" | "lost_race", stats)."""
     s = ct.settings
-    table, heldout = drop_heldout(table, split) if split is not None else (table, 0)
-    out, conversations, stats = tokenize_table(table, ct)
-    if heldout:
-        stats.rows_in += heldout
-        stats.dropped[DROP_HELDOUT] = stats.dropped.get(DROP_HELDOUT, 0) + heldout
+    filters: list[RowFilter] = []
+    if split is not None and split.active:
+        filters.append(lambda row: DROP_HELDOUT if split.holds(row["id"]) else None)
+    if quality is not None:
+        filters.append(quality)
+    out, conversations, stats = tokenize_table(table, ct, row_filters=filters,
+                                               extra_columns=SIGNAL_COLUMNS if quality is not None else ())
     out = with_labels(out, labels_by_unit(table, s.enable_thinking), s.enable_thinking)
     files = build_profile_files(out, chunk, s.profiles, thinking=s.enable_thinking, conversations=conversations)
     stats.profiles = files.to_dict()
@@ -213,6 +222,8 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
         settings = TokenizeSettings.from_dict(job["settings"])
         ct = load_tokenizer(client, settings)
         split = load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)
+        duplicates = load_near_duplicates(store, layout) if NEAR_DUPLICATE in settings.drop_quality else {}
+        quality = quality_filter(settings.drop_quality, settings.quality, duplicates)
 
         def fetch(c: int) -> Any:
             if with_retries(lambda: store.head(layout.tokenized_stats_key(c)), what="head part") is not None:
@@ -230,7 +241,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
                     summary["present"] += 1
                     logger.info("part %d of %s is already tokenized; skipped", c, layout.uri)
                     continue
-                status, stats = tokenize_part(store, layout, c, ct, table, split)
+                status, stats = tokenize_part(store, layout, c, ct, table, split, quality)
                 summary[status] += 1
                 summary["rows"] += stats.rows_out
                 summary["tokens"] += stats.tokens
@@ -239,6 +250,9 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
     summary["elapsed_s"] = round(time.monotonic() - started, 2)
     return summary
 
+
+STATUS_GATE_FAILED = "kept_too_few"
+DEFAULT_MIN_KEPT_SHARE: float = TOKENIZE_PARAM_SCHEMAS["min_kept_share"]["default"]
 
 _SUM_KEYS = ("rows_in", "rows_out", "tokens", "loss_tokens", "truncated_to_max_length", "trained_turns",
              "rows_with_engine_ids", "rows_without_engine_ids", "unverified", "prompt_template_differs",
@@ -261,6 +275,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     examples: dict[str, list[str]] = {"unverified_examples": [], "prompt_template_differs_examples": []}
     max_tokens = max_turn = 0
     missing_stats = []
+    breakdown: dict[str, Any] = {}
     kept_mix, mix_parts = mixreport.MixTally(), 0
     for c in parts:
         if c not in done:
@@ -280,6 +295,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         max_tokens = max(max_tokens, int(st.get("max_tokens", 0)))
         max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
         _add_profiles(profiles, st.get("profiles") or {})
+        add_breakdown(breakdown, st)
         if "mix" in st:
             kept_mix.add_counts(st["mix"])
             mix_parts += 1
@@ -304,6 +320,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         **total,
         "rows_dropped": sum(dropped.values()),
         "dropped_by_reason": dict(sorted(dropped.items())),
+        **sorted_breakdown(breakdown),
         "heldout": split_summary(heldout_split, manifest),
         "ids_source": dict(sorted(counts["ids_source"].items())),
         **examples,
@@ -374,6 +391,14 @@ def report_markdown(r: dict[str, Any]) -> str:
         "", "Conversations by assistant turns: "
         + ", ".join(f"{k}: {v:,}" for k, v in r["turns"]["conversations_by_assistant_turns"].items()),
     ]
+    g = r.get("gate")
+    if g:
+        verdict = "passed" if g["passed"] else "**FAILED**: the run fails and no dataset card is written"
+        lines += ["", f"Gate: kept {g['rows_kept']:,} of {g['rows_counted']:,} training rows ({g['kept_share']:.1%}; "
+                  f"held-out rows not counted), min_kept_share {g['min_kept_share']}: {verdict}."]
+    table = breakdown_lines(r)
+    if table:
+        lines += ["", *table]
     split = r.get("heldout")
     if split:
         lines += ["", f"Held-out split: fraction {split.get('fraction', 0.0)}, salt `{split.get('salt', 'n/a')}`, "
@@ -395,11 +420,17 @@ def report_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + mixreport.markdown(mix, "mix after filters")
 
 
-def write_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dict[str, float]] | None = None,
-                 ) -> dict[str, Any]:
+def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = DEFAULT_MIN_KEPT_SHARE,
+                 target_mix: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """Build and write tokenized/report.json + .md and the dataset card (README.md at the dataset root);
-    raise TokenizeFailed (after writing the report) when incomplete."""
+    raise TokenizeFailed (after writing the report, before the card) when incomplete or when the rows kept
+    are fewer than `min_kept_share` of those counted (gates.py). `target_mix` is set next to the mix kept."""
     report = build_report(client, dataset, target_mix)
+    if report["status"] == "complete":
+        report["gate"] = gate(report, min_kept_share)
+        if not report["gate"]["passed"]:
+            report["status"] = STATUS_GATE_FAILED
+>>>>>>> gates
     layout = DatasetLayout.from_uri(dataset["output_uri"])
     store = Store(client, layout.bucket)
     with_retries(lambda: store.put(layout.tokenized_report_key, json.dumps(report, indent=1).encode(),
@@ -408,6 +439,8 @@ def write_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     with_retries(lambda: store.put(layout.tokenized_report_md_key, md.encode(), content_type="text/markdown"),
                  what="write tokenized report.md")
     logger.info("tokenized report for %s:\n%s", layout.uri, md)
+    if report["status"] == STATUS_GATE_FAILED:
+        raise TokenizeFailed(failure_message(report))
     if report["status"] != "complete":
         raise TokenizeFailed(
             f"{layout.uri}: {len(parts_missing := report['missing_parts'])} part(s) not tokenized (first: "

@@ -142,17 +142,25 @@ class MixTally:
 
 def kept_counts(part: pa.Table, training_rows: pa.Table, default_thinking: bool | None) -> dict[str, Any]:
     """Tokenize's after-filter counts for one part: its completions that kept at least one training row
-    (joined on (id, sample), unique within a part)."""
+    (joined on (id, sample), unique within a part). The language is the part's column, else the training
+    rows' (the quality signals tokenize's filters computed)."""
     from dflash_pipeline.dataset.records import unit_keys
 
     def keys(t: pa.Table) -> list[str]:
         samples = t.column("sample").to_pylist() if "sample" in t.column_names else None
         return unit_keys(t.column("id").to_pylist(), samples)
 
-    kept = set(keys(training_rows)) if training_rows.num_rows else set()
-    mask = pa.array([k in kept for k in keys(part)], type=pa.bool_())
+    train_keys = keys(training_rows) if training_rows.num_rows else []
+    kept = set(train_keys)
+    part_keys = keys(part)
+    mask = [k in kept for k in part_keys]
+    language = None
+    if "language" in training_rows.column_names and "language" not in part.column_names:
+        # the quality signals tokenize computed for its filters ride on the training rows
+        by_key = dict(zip(train_keys, training_rows.column("language").to_pylist()))
+        language = [by_key.get(k) for k, m in zip(part_keys, mask) if m]
     tally = MixTally()
-    tally.add(part.filter(mask), default_thinking)
+    tally.add(part.filter(pa.array(mask, type=pa.bool_())), default_thinking, language=language)
     return tally.to_counts()
 
 
