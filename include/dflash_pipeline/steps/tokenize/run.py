@@ -430,7 +430,6 @@ def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = D
         report["gate"] = gate(report, min_kept_share)
         if not report["gate"]["passed"]:
             report["status"] = STATUS_GATE_FAILED
->>>>>>> gates
     layout = DatasetLayout.from_uri(dataset["output_uri"])
     store = Store(client, layout.bucket)
     with_retries(lambda: store.put(layout.tokenized_report_key, json.dumps(report, indent=1).encode(),
