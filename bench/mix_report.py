@@ -128,7 +128,7 @@ def main() -> None:
                 for o in page.get("Contents", []):
                     client.delete_object(Bucket=BUCKET, Key=o["Key"])
             tcfg = TokenizeConfig.from_params({"tokenizer": str(tokenizer), "workers": 1, "min_loss_tokens": mlt,
-                                               "target_mix": cfg.target_mix, "profiles": ["parquet"]})
+                                               "min_kept_share": 0.0, "target_mix": cfg.target_mix, "profiles": ["parquet"]})
             planned = plan(client, [layout.uri], tcfg)
             for a in planned["assignments"]:
                 run_assignment(client, a)

@@ -125,15 +125,15 @@ def test_tokenize_reports_the_mix_it_kept_next_to_validation(validated: dict[str
                                                               bucket: str) -> None:
     layout = validated["layout"]
     cfg = TokenizeConfig.from_params({"tokenizer": validated["tokenizer"], "workers": 1, "min_loss_tokens": 40,
-                                      "target_mix": {"domain": TARGET["domain"]}})
+                                      "min_kept_share": 0.0, "target_mix": {"domain": TARGET["domain"]}})
     planned = plan(s3_client, [layout.uri], cfg)
     for a in planned["assignments"]:
         run_assignment(s3_client, a)
-    report = write_report(s3_client, planned["datasets"][0], target_mix=cfg.target_mix)
+    report = write_report(s3_client, planned["datasets"][0], cfg.min_kept_share, target_mix=cfg.target_mix)
     mix = report["mix"]
     assert mix["basis"] == "completions kept by tokenize" and mix["before_completions"] == N
     assert mix["parts_counted"] == report["parts_tokenized"] > 0
-    # one training row per single-turn completion, so what was dropped is what the mix lost
+    # min_loss_tokens 40 (and the quality filters) drop rows: the mix counts the completions that kept one
     assert 0 < mix["completions"] < N and report["rows_dropped"] > 0
     domain = _rows(mix, "domain")
     assert sum(r["count"] for r in domain.values()) == mix["completions"]
