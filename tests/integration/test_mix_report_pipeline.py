@@ -89,6 +89,9 @@ def test_validation_writes_the_mix_with_the_target_side_by_side(validated: dict[
                       for n in ok["completion_tokens"])
     assert {k: v["count"] for k, v in _rows(mix, "completion_length").items()} == dict(lengths)
     assert "max_abs_gap" not in mix["dimensions"]["source"]  # no target there
+    # the answers' languages as the quality tally identified them (once, at validation)
+    languages = {k: v["count"] for k, v in _rows(mix, "language").items()}
+    assert languages == report["quality"]["languages"] and sum(languages.values()) == N
 
     md = s3_client.get_object(Bucket=bucket, Key=layout.report_md_key)["Body"].read().decode()
     section = md[md.index("## mix (before filters)"):]

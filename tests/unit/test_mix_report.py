@@ -193,3 +193,15 @@ def test_kept_counts_count_the_completions_with_a_training_row_and_their_languag
     assert _by(mix, "domain", "count") == {"math": 1} and _by(mix, "language", "count") == {"en": 1}
     none = mixreport.kept_counts(part, training.slice(0, 0), default_thinking=True)
     assert none["completions"] == 0
+
+
+def test_languages_from_the_quality_tally_fill_an_unlabelled_language_dimension() -> None:
+    tally = mixreport.MixTally()
+    tally.add(_part([_row(i) for i in range(5)]))
+    tally.use_languages({"en": 3, "undetermined": 1})  # one completion the quality tally did not count
+    assert _by(mixreport.mix_report(tally.to_counts()), "language", "count") == {"en": 3, "undetermined": 1,
+                                                                                 "unknown": 1}
+    labelled = mixreport.MixTally()  # a part's own language column wins
+    labelled.add(_part([_row(0), _row(1)]).append_column("language", pa.array(["de", "de"])))
+    labelled.use_languages({"en": 2})
+    assert _by(mixreport.mix_report(labelled.to_counts()), "language", "count") == {"de": 2}

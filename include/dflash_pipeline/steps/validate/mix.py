@@ -127,6 +127,18 @@ class MixTally:
             self.counts[dim].update(bucket_counts(_int_values(t, col), BUCKET_EDGES[dim]))
         self.counts["turns"].update(bucket_counts(user_turns(t), BUCKET_EDGES["turns"]))
 
+    def use_languages(self, languages: Mapping[str, int]) -> None:
+        """Take the language counts the quality signals made over the same completions (validation computes
+        them once, in steps/quality), when no part carried a language column. Completions they did not
+        count stay "unknown", so the shares still sum to 1."""
+        if set(self.counts["language"]) - {UNKNOWN} or not languages:
+            return
+        counted = Counter({str(k): int(v) for k, v in languages.items() if v})
+        rest = self.completions - sum(counted.values())
+        if rest > 0:
+            counted[UNKNOWN] += rest
+        self.counts["language"] = counted
+
     def add_counts(self, counts: Mapping[str, Any]) -> None:
         """Add counts as `to_counts` wrote them (another part's)."""
         self.completions += int(counts.get("completions", 0))

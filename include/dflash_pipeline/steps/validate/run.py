@@ -233,6 +233,8 @@ def run_validation(
         for name, png in pngs.items():
             with_retries(lambda: store.put(pkeys[name], png, content_type="image/png"), what=f"write {pkeys[name]}")
         files["plots"] = [pkeys[n] for n in pngs]
+    if signals is not None:
+        mix.use_languages(signals.languages)  # the answers' languages, identified once by the quality tally
     mix_section = mixreport.mix_report(mix.to_counts(), target_mix)
     if plots:
         png = mixreport.render(mix_section, f"mix of the completions (before filters): {layout.uri}")
