@@ -146,3 +146,4 @@ def test_tokenize_reports_the_mix_it_kept_next_to_validation(validated: dict[str
     md = s3_client.get_object(Bucket=bucket, Key=layout.tokenized_report_md_key)["Body"].read().decode()
     assert "## mix after filters" in md and "| label | before | completions | share before | share | target | gap |" in md
     assert f"| math | 60 | {domain['math']['count']} | 50.0% |" in md
+    assert "(tokenize identifies no language unless drop_quality has 'language'" in md  # said, not shown as data

@@ -344,6 +344,10 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     before = ((_get_json(store, layout.report_key) or {}).get("mix") or {}).get("counts")
     report["mix"] = {**mixreport.mix_report(kept_mix.to_counts(), target_mix, before=before,
                                             basis="completions kept by tokenize"), "parts_counted": mix_parts}
+    if set((kept_mix.to_counts()["by"].get("language") or {})) <= {mixreport.UNKNOWN}:
+        report["mix"]["dimensions"]["language"]["note"] = (
+            "tokenize identifies no language unless drop_quality has 'language' with `languages` set; "
+            "validation's mix has the languages of every completion")
     return report
 
 

@@ -27,6 +27,9 @@ import pyarrow.compute as pc
 
 from dflash_pipeline.config.mix import BUCKET_EDGES, FIXED_LABELS, MIX_DIMENSIONS, UNKNOWN, bucket_labels
 
+__all__ = ["OTHER", "PLOT_FILE", "READ_COLUMNS", "UNKNOWN", "MixTally", "kept_counts", "markdown", "mix_report", "plot",
+           "plot_key", "render"]
+
 logger = logging.getLogger(__name__)
 
 READ_COLUMNS = ("source", "domain", "thinking", "language", "prompt_tokens", "completion_tokens", "messages",
@@ -260,8 +263,10 @@ def markdown(mix: Mapping[str, Any] | None, title: str = "mix", plot_key: str | 
         if has_target:
             head += ["target", "gap"]
         note = f" (largest gap {_pp(entry['max_abs_gap']).lstrip('+')})" if has_target else ""
-        lines += ["", f"### {dim}{note}", "", "| " + " | ".join(head) + " |",
-                  "|---|" + "---:|" * (len(head) - 1)]
+        lines += ["", f"### {dim}{note}", ""]
+        if entry.get("note"):
+            lines += [f"({entry['note']}.)", ""]
+        lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for r in rows:
             cells = [str(r["label"])]
             if before:
