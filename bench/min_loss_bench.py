@@ -123,7 +123,7 @@ def main() -> int:
             qf = quality_filter(cfg.drop_quality, cfg.quality_params(), {})
             ds = TokenizeSettings(tokenizer=str(tok_dir), enable_thinking=thinking, min_loss_tokens=cfg.min_loss_tokens)
             db = TrainingRowBuilder(load_recounter(str(tok_dir), lambda bk, k: None, enable_thinking=thinking), ds)
-            kept, _, dstats = tokenize_table(table, db, row_filters=[qf] if qf else [], extra_columns=())
+            kept, _, dstats = tokenize_table(table, db, quality_filter=qf)
             counted = kept.num_rows + sum(dstats.dropped.values())
             per["default_settings"] = {"min_loss_tokens": cfg.min_loss_tokens, "kept": kept.num_rows,
                                        "counted": counted, "kept_share": round(kept.num_rows / counted, 4),

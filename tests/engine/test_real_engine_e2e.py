@@ -118,14 +118,14 @@ def _table(s3: Any, bucket: str, keys: list[str]) -> pa.Table:
 
 def _all_turns_tokenized(s3: Any, bucket: str, layout: DatasetLayout) -> tuple[pa.Table, dict[str, Any]]:
     """Every finished turn as a training row: the dataset copied (tokenized/ left out) and tokenized with
-    DFlash's minimum of trained tokens off."""
+    DFlash's minimum of trained tokens and the quality filter off."""
     copy = DatasetLayout(bucket, layout.root + "-all-turns")
     for key in _keys(s3, bucket, layout.root + "/"):
         rel = key[len(layout.root) + 1:]
         if not rel.startswith("tokenized/") and rel != "README.md":
             s3.copy_object(Bucket=bucket, Key=copy.key(rel), CopySource={"Bucket": bucket, "Key": key})
     planned = plan(s3, [copy.uri], TokenizeConfig(min_loss_tokens=1, require_consecutive_loss_tokens=False,
-                                                  workers=1, profiles=("parquet",)))
+                                                  workers=1, profiles=("parquet",), drop_quality=()))
     for a in planned["assignments"]:
         run_assignment(s3, a)
     report = write_report(s3, planned["datasets"][0])
@@ -202,7 +202,9 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
         assert report["status"] == "complete" and report["ids_source"] == {"engine": report["rows_out"]}
         assert report["unverified"] == 0 and report["prompt_template_differs"] == 0
         assert report["rows_out"] + sum(v for k, v in report["dropped_by_reason"].items()) == turns
-        assert set(report["dropped_by_reason"]) <= {"fewer_than_min_loss_tokens", "no_two_consecutive_loss_tokens"}
+        assert {k for k in report["dropped_by_reason"] if not k.startswith("quality:")} <= {
+            "fewer_than_min_loss_tokens", "no_two_consecutive_loss_tokens"}, report["dropped_by_reason"]
+        assert report["gate"]["passed"], report["gate"]
         dag_rows = _table(s3_client, bucket, _keys(s3_client, bucket, layout.key("tokenized/parquet/")))
         assert dag_rows.num_rows == report["rows_out"] > 0
 

@@ -135,7 +135,8 @@ def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLa
     assert report["rows_with_engine_ids"] == new_rows // 2 and report["unverified"] == 0
     assert report["tokens"] == sum(table.column("num_tokens").to_pylist())
     assert report["loss_tokens"] == sum(table.column("num_loss_tokens").to_pylist())
-    assert report["turns"]["conversations_by_assistant_turns"] == {"1": old_rows, "2": new_rows}
+    # every conversation with a regenerated turn, the dropped ones too
+    assert report["turns"]["conversations_by_assistant_turns"] == {"1": 3 * (ROWS - 1), "2": new_rows}
     assert report["turns"]["trained_turns"] == old_rows + 2 * new_rows and report["status"] == "complete"
     keys = table.column("key").to_pylist()
     assert len(set(keys)) == table.num_rows and "p1-0#sample=1#turn=1" in keys  # exactly once per (id, sample, turn)

@@ -14,16 +14,21 @@ import os
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from dflash_pipeline.config.quality import QualitySettings
 from dflash_pipeline.dev.sim import SimConfig, SimServer
 from dflash_pipeline.dev.sim.lengths import VOCAB, count_tokens
 from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
 from dflash_pipeline.dev.stack import MotoServer
+from dflash_pipeline.steps.quality import QUALITY_FLAGS, flags_of, row_signals
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("asset_runner.py")
@@ -31,6 +36,7 @@ BUCKET = "validated-data"
 ROOT = "datasets/validated"
 N_PROMPTS = 60
 N_TOO_LONG = 3
+N_NEAR_DUPS = 2
 CONTEXT = 300
 MAX_TOKENS = 120
 
@@ -40,6 +46,8 @@ def _prompts() -> list[dict[str, Any]]:
     for i in range(N_PROMPTS - N_TOO_LONG):
         words = " ".join(VOCAB[(i * 7 + k) % len(VOCAB)] for k in range(5 + i % 11))
         rows.append({"id": f"v{i}", "messages": [{"role": "user", "content": f"{words} {i}?"}]})
+    for i in range(N_NEAR_DUPS):  # the same prompt re-cased and re-punctuated as an earlier one (by id)
+        rows[-1 - i]["messages"][0]["content"] = rows[i]["messages"][0]["content"].upper().replace("?", " !?")
     for i in range(N_TOO_LONG):  # longer than the servers' context: permanent error rows
         rows.append({"id": f"long{i}", "prompt": " ".join(["value"] * (CONTEXT + 10)) + f" {i}"})
     return rows
@@ -63,7 +71,7 @@ def handoff_run(moto_server: MotoServer, tmp_path_factory: pytest.TempPathFactor
                 "save_every": 16}
         confs = [
             {**base, "max_error_rate": 0.01, "max_truncation_rate": 0.05},
-            {**base, "max_error_rate": 0.2, "max_truncation_rate": 0.9, "tokenizer": str(tokenizer)},
+            {**base, "max_error_rate": 0.2, "max_truncation_rate": 0.9, "tokenizer": str(tokenizer), "languages": ["en"]},
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
         env.update(moto_server.env())
@@ -139,6 +147,26 @@ def test_report_matches_the_parts(handoff_run: dict[str, Any], moto_server: Moto
         expected += count_tokens(row["reasoning"] or "") + count_tokens(row["content"]) + (2 if row["reasoning"] else 0)
     assert r["training_tokens"] == expected
     assert handoff_run["results"][1]["validate_xcom"]["training_tokens"] == expected
+    # quality signals: counted over the completions, from the DAG's params, never failing the run
+    q = r["quality"]
+    assert q["rows"] == len(ok) and q["settings"]["languages"] == ["en"]
+    # validation counts an empty answer at length; the signal also counts an unclosed <think> (no parser)
+    assert q["flags"]["truncated_thinking"]["rows"] >= r["truncated_in_thinking"] > 0
+    settings = QualitySettings(languages=("en",))
+    table = pa.concat_tables(pq.read_table(io.BytesIO(c.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()))
+                             for o in c.list_objects_v2(Bucket=BUCKET, Prefix=f"{ROOT}/completions/")["Contents"])
+    recount: Counter[str] = Counter()
+    for rec in table.to_pylist():
+        if rec["error_class"] is None:
+            recount.update(flags_of(row_signals(rec, settings), settings))
+    assert {f: v["rows"] for f, v in q["flags"].items() if f != "near_duplicate"} == {
+        f: recount[f] for f in QUALITY_FLAGS if f != "near_duplicate"}
+    near = pq.read_table(io.BytesIO(c.get_object(Bucket=BUCKET, Key=r["files"]["near_duplicates"])["Body"].read()))
+    pairs = dict(zip(near.column("id").to_pylist(), near.column("duplicate_of").to_pylist()))
+    n_ok = N_PROMPTS - N_TOO_LONG
+    assert {f"v{n_ok - 1 - i}": f"v{i}" for i in range(N_NEAR_DUPS)}.items() <= pairs.items()
+    assert q["flags"]["near_duplicate"]["rows"] == len(pairs) == q["near_duplicates"]["duplicates"]
+    assert "## quality signals" in c.get_object(Bucket=BUCKET, Key=f"{ROOT}/report.md")["Body"].read().decode()
     # plots: valid PNGs of a sensible size
     assert len(r["files"]["plots"]) == 4 and r["files"]["plots"][-1] == f"{ROOT}/report-mix.png"  # + the mix
     for key in r["files"]["plots"]:
@@ -175,7 +203,11 @@ def test_consumer_dag_is_triggered_and_receives_the_fields(handoff_run: dict[str
     # every completion is one training row (single-turn prompts), kept unless DFlash cannot train on it
     dropped = dict(summary["dropped_by_reason"])
     assert dropped.pop("error_row") == extra["errors"] and summary["unverified"] == 0, summary
-    assert set(dropped) <= {"fewer_than_min_loss_tokens"}, dropped
+    # the default drop_quality drops thinking cut at max_tokens (120 here) and the planted near-duplicates
+    # (unless flagged first as truncated); the gate passed
+    assert set(dropped) <= {"fewer_than_min_loss_tokens", "quality:truncated_thinking", "quality:near_duplicate"}, dropped
+    assert dropped.get("quality:near_duplicate", 0) <= N_NEAR_DUPS, dropped
+    assert summary["gate"]["passed"], summary["gate"]
     assert summary["rows_in"] == extra["prompts"] and summary["rows_out"] + sum(dropped.values()) == extra["completions"]
     assert summary["rows_out"] > 0 and 0 < summary["loss_tokens"] < summary["tokens"]
     assert summary["ids_source"] == {"retokenized": summary["rows_out"]}  # these servers return no ids

@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import quality_texts as qt
+
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.steps.quality.near_dup import (
@@ -48,7 +50,7 @@ def test_known_pairs_are_found_and_non_pairs_are_not() -> None:
 
 
 def test_a_small_edit_in_a_long_prompt_is_a_pair_and_a_rewrite_is_not() -> None:
-    words = BASE.split() * 4  # ~150 words
+    words = qt.PROBABILITY_THINKING.split()[:150]  # a long prompt: ~150 words, one edit changes 3 of ~148 3-grams
     one_edit = list(words)
     one_edit[40] = "goats"
     rewritten = list(words)
@@ -82,8 +84,9 @@ def test_only_user_turns_make_the_prompt() -> None:
     msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello there"},
             {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "What is 2+2?"}]
     assert prompt_text(msgs) == "Hello there\nWhat is 2+2?"
-    assert shingles("") == [] and shingles("Hi!") == [b"hi"]
-    assert sorted(shingles("一二三四")) == sorted(["一 二 三".encode(), "二 三 四".encode()])
+    assert len(shingles("")) == 0 and len(shingles("Hi!")) == 1 and len(shingles("一二三四")) == 2
+    assert set(shingles("One two three, one TWO three!")) == set(shingles("one two three one two three"))
+    assert len(shingles("one two three one two three")) == 3  # a set: "one two three" once
 
 
 def test_templated_sample_prompts_differ_enough() -> None:

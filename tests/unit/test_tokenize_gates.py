@@ -127,7 +127,7 @@ def test_quality_flags_drop_known_rows(qwen_tokenizer: Path) -> None:
     cfg = TokenizeConfig.from_params({"min_loss_tokens": 1, "languages": ["en"]})
     assert cfg.drop_quality == QUALITY_FLAGS
     qf = quality_filter(cfg.drop_quality, cfg.quality_params(), {"r5": "r0"})
-    out, _, stats = tokenize_table(_table(rows), _builder(qwen_tokenizer, min_loss_tokens=1), row_filters=[qf])
+    out, _, stats = tokenize_table(_table(rows), _builder(qwen_tokenizer, min_loss_tokens=1), quality_filter=qf)
     assert out.column("id").to_pylist() == ["r0"]
     assert stats.dropped == {"quality:empty_answer": 1, "quality:language": 1, "quality:loop_reasoning": 1,
                              "quality:near_duplicate": 1, "quality:refusal": 1, "quality:truncated_thinking": 1}
@@ -135,9 +135,24 @@ def test_quality_flags_drop_known_rows(qwen_tokenizer: Path) -> None:
     # without `languages` the language flag never rises; a narrower drop_quality keeps the rest
     default = TokenizeConfig.from_params({"drop_quality": ["refusal", "language"]})
     qf = quality_filter(default.drop_quality, default.quality_params(), {"r5": "r0"})
-    out, _, stats = tokenize_table(_table(rows), _builder(qwen_tokenizer, min_loss_tokens=1), row_filters=[qf])
+    out, _, stats = tokenize_table(_table(rows), _builder(qwen_tokenizer, min_loss_tokens=1), quality_filter=qf)
     assert stats.dropped == {"quality:refusal": 1} and out.num_rows == 6
     assert quality_filter((), cfg.quality_params(), {}) is None
+
+
+def test_a_flagged_conversation_counts_once_per_turn_it_would_have_trained(qwen_tokenizer: Path) -> None:
+    """rows kept + rows dropped = the training rows the run would make, whatever drops them."""
+    tm = SimTokenModel(str(qwen_tokenizer))
+    messages = [{"role": "user", "content": "First?"}, {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "Second?"}]
+    refusing = engine_row(tm, messages, [GOOD, (GOOD[0], "I'm sorry, but I can't help with that.")], thinking=True,
+                          row_id="multi")
+    rows = [refusing, _row(tm, 1, GOOD)]
+    cfg = TokenizeConfig()
+    qf = quality_filter(cfg.drop_quality, cfg.quality_params(), {})
+    out, _, stats = tokenize_table(_table(rows), _builder(qwen_tokenizer), quality_filter=qf)
+    assert stats.dropped == {"quality:refusal": 2} and out.num_rows == 1
+    assert out.num_rows + sum(stats.dropped.values()) == 3
 
 
 def test_min_loss_tokens_default_is_specforge_dflash_rule(qwen_tokenizer: Path) -> None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import io
 import logging
-from array import array
 import re
 import time
+import zlib
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -50,16 +51,39 @@ def prompt_text(messages: Sequence[Mapping[str, Any]] | None) -> str:
     return "\n".join((m.get("content") or "") for m in (messages or []) if m.get("role") == "user")
 
 
-def shingles(text: str) -> list[bytes]:
-    """The prompt's set of word 3-grams, lower-cased, punctuation dropped (fewer words: one shingle)."""
+def words_of(text: str) -> list[str]:
+    """The prompt's words, lower-cased, punctuation dropped (a CJK character is a word)."""
     if len(text) > 2 * PROMPT_CHARS:
         text = text[:PROMPT_CHARS] + "\n" + text[-PROMPT_CHARS:]
-    words = _WORD_RE.findall(text.lower())
+    return _WORD_RE.findall(text.lower())
+
+
+def shingles(text: str) -> np.ndarray:
+    """The prompt's set of word 3-grams as distinct uint32 hashes (fewer words: one shingle of them all).
+
+    Each word is hashed once (CRC-32, deterministic across processes, unlike Python's `hash`) and a
+    3-gram's hash combines its words' in numpy: ~4x faster than datasketch's SHA-1 of each joined 3-gram."""
+    words = words_of(text)
     if not words:
-        return []
+        return np.zeros(0, dtype=np.uint32)
+    h = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
     if len(words) < SHINGLE:
-        return [" ".join(words).encode()]
-    return list({" ".join(words[i:i + SHINGLE]).encode() for i in range(len(words) - SHINGLE + 1)})
+        return np.array([zlib.crc32(" ".join(words).encode())], dtype=np.uint32)
+    n = len(words) - SHINGLE + 1
+    mixed = np.zeros(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k, mult in enumerate(_MULTS):  # odd multipliers: each word reaches every bit of the low half
+            mixed += h[k:k + n] * mult
+    folded = (mixed ^ (mixed >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    return np.unique(folded.astype(np.uint32))
+
+
+_MULTS = tuple(np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9))
+
+
+def _identity(x: int) -> int:
+    """datasketch's hashfunc for values that are already 32-bit hashes."""
+    return x
 
 
 class NearDuplicateFinder:
@@ -73,7 +97,7 @@ class NearDuplicateFinder:
 
         self.threshold = threshold
         self.num_perm = num_perm
-        self._proto = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME)
+        self._proto = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME, hashfunc=_identity)
         self._ids: list[str] = []
         self._tags = array("i")
         self._rows = array("i")
@@ -98,11 +122,11 @@ class NearDuplicateFinder:
                 continue
             last = pid
             sh = shingles(text)
-            if not sh:
+            if not len(sh):
                 self.empty += 1
                 continue
             m = self._proto.copy()
-            m.update_batch(sh)
+            m.update_batch(sh.tolist())
             self._ids.append(pid)
             self._tags.append(tag)
             self._rows.append(1)

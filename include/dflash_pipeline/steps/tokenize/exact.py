@@ -413,15 +413,18 @@ RowFilter = Callable[[Mapping[str, Any]], "str | None"]
 def tokenize_table(
     table: pa.Table, builder: TrainingRowBuilder, batch_rows: int = 256,
     row_filters: Sequence[RowFilter] = (), extra_columns: Sequence[str] = (),
+    quality_filter: RowFilter | None = None,
 ) -> tuple[pa.Table, list[list[dict[str, Any]]], PartStats]:
     """One completions part → (training rows, each row's conversation as generated, stats).
 
     The rows are DFlash-ready (dflash.py: cut at max_length, at least `min_loss_tokens` trained tokens,
     two adjacent); the conversations (role, content, reasoning: the context as the request carried it,
     then the trained turn with its reasoning) are aligned with the rows, for the conversations exports.
-    `row_filters` (held-out split, quality flags) drop whole completion rows first, in order, each drop
-    counted once under the first filter's reason; `extra_columns` are what they read besides the usual.
-    Every drop is also counted by the row's thinking mode and domain (stats.dropped_by_*)."""
+    `row_filters` (the held-out split) drop whole completion rows first, in order, each counted once under
+    the first filter's reason; `quality_filter` drops a row with turns, counted once per turn it would
+    have trained (so rows kept + dropped stays the training rows a run would make); `extra_columns` are
+    what the filters read besides the usual. Every drop is also counted by the row's thinking mode and
+    domain (stats.dropped_by_*)."""
     s = builder.settings
     stats = PartStats(rows_in=table.num_rows)
     dropped: Counter[str] = Counter()
@@ -465,6 +468,11 @@ def tokenize_table(
             stats.rows_without_engine_ids += with_ids == 0
             by_turns[str(turns[-1].assistant_turns)] += 1
             chosen = turns if s.train_turns == "all" else turns[-1:]
+            flagged = quality_filter(row) if quality_filter is not None else None
+            if flagged:
+                for _ in chosen:
+                    drop(flagged, label)
+                continue
             sample = int(row.get("sample") or 0)
             for t in chosen:
                 if s.drop_truncated and t.finish_reason == "length":

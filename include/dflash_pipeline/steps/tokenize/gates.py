@@ -11,7 +11,8 @@ or domain without anyone seeing it. So:
 * the report fails the run (TokenizeFailed, after writing report.json / report.md; no dataset card, no
   asset event) when the rows kept are fewer than ``min_kept_share`` of the rows counted. Rows counted =
   rows kept + rows dropped for any reason but ``heldout`` (a held-out conversation is kept out on purpose,
-  not lost). A dropped completion row (error, held out, quality flag) counts once, a dropped turn once.
+  not lost). An error or held-out completion row counts once (its turns are never built); a row dropped
+  for a quality flag counts once per turn it would have trained.
 
 Units: training rows (one per regenerated assistant turn), as everywhere in the tokenize stats.
 """

@@ -197,9 +197,7 @@ def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingR
     filters: list[RowFilter] = []
     if split is not None and split.active:
         filters.append(lambda row: DROP_HELDOUT if split.holds(row["id"]) else None)
-    if quality is not None:
-        filters.append(quality)
-    out, conversations, stats = tokenize_table(table, ct, row_filters=filters,
+    out, conversations, stats = tokenize_table(table, ct, row_filters=filters, quality_filter=quality,
                                                extra_columns=SIGNAL_COLUMNS if quality is not None else ())
     out = with_labels(out, labels_by_unit(table, s.enable_thinking), s.enable_thinking)
     files = build_profile_files(out, chunk, s.profiles, thinking=s.enable_thinking, conversations=conversations)
