@@ -218,7 +218,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
     )
     with _fail_fast():
         report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
-                                quality=QualitySettings.from_params(params))
+                                quality=QualitySettings.from_params(params), target_mix=cfg.target_mix)
     keys = (
         "prompts", "completions", "errors", "missing", "duplicates", "truncated", "empty_content",
         "prompt_tokens", "output_tokens", "reasoning_tokens", "training_tokens",
@@ -302,7 +302,8 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
             "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length",
             "gate", "dropped_by_thinking")
     with _fail_fast():
-        summaries = [{k: r[k] for k in keys} for r in (write_report(client, d, cfg.min_kept_share) for d in datasets)]
+        summaries = [{k: r[k] for k in keys}
+                     for r in (write_report(client, d, cfg.min_kept_share, target_mix=cfg.target_mix) for d in datasets)]
     if outlet_events is not None:
         outlet_events[tokenized_asset()].extra = {"format": TOKENIZED_FORMAT, "datasets": summaries}
     return summaries

@@ -168,7 +168,7 @@ def test_report_matches_the_parts(handoff_run: dict[str, Any], moto_server: Moto
     assert q["flags"]["near_duplicate"]["rows"] == len(pairs) == q["near_duplicates"]["duplicates"]
     assert "## quality signals" in c.get_object(Bucket=BUCKET, Key=f"{ROOT}/report.md")["Body"].read().decode()
     # plots: valid PNGs of a sensible size
-    assert len(r["files"]["plots"]) == 3
+    assert len(r["files"]["plots"]) == 4 and r["files"]["plots"][-1] == f"{ROOT}/report-mix.png"  # + the mix
     for key in r["files"]["plots"]:
         png = c.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"

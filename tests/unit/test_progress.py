@@ -360,3 +360,32 @@ def test_page_html_escapes_and_shows_bars_report_and_plots() -> None:
     assert 'id="run-progress"' in html and 'class="bar server-progress"' in html
     assert 'id="report"' in html and 'src="/dflash/runs/d/r/plots/report-x.png"' in html
     assert 'data-final="1"' in html  # finished with its report: the page stops refreshing
+
+
+def test_page_shows_the_mix_next_to_the_target_after_validation() -> None:
+    from dflash_pipeline.steps.validate import mix as mixreport
+
+    tally = mixreport.MixTally()
+    import pyarrow as pa
+
+    tally.add(pa.table({"id": ["a", "b", "c", "d"], "domain": ["math", "math", "code", "<b>x</b>"],
+                        "thinking": [True, True, False, True]}))
+    report = {"status": "passed", "problems": [], "mix": mixreport.mix_report(
+        tally.to_counts(), {"domain": {"math": 0.3, "code": 0.3, "chat": 0.4}})}
+    view = {"dag_id": "dflash_generate", "run_id": RUN, "run_state": "success", "output_uri": "s3://b/ds",
+            "progress": None, "report": report,
+            "plot_urls": [("report-mix.png", "/dflash/runs/d/r/plots/report-mix.png")]}
+    html = ui.run_page(view)
+    assert 'id="mix"' in html and 'src="/dflash/runs/d/r/plots/report-mix.png"' in html
+    section = html[html.index('<section id="mix">'):]
+    section = section[:section.index("</section>")]
+    table = section[section.index('data-dim="domain"'):]
+    # actual next to target, with the gap, for each label (the absent target label too)
+    assert "<td class=\"\">math</td><td class=\"n\">2</td><td class=\"n\">50.0 %</td><td class=\"n\">30.0 %</td>" \
+           "<td class=\"n\">+20.0 pp</td>" in table
+    assert "<td class=\"\">chat</td><td class=\"n\">0</td><td class=\"n\">0.0 %</td><td class=\"n\">40.0 %</td>" \
+           "<td class=\"n\">-40.0 pp</td>" in table
+    assert "largest gap 40.0 pp" in table
+    assert '<li data-dim="thinking"><b>thinking</b>: true 75.0 % \u00b7 false 25.0 %</li>' in section
+    assert "&lt;b&gt;x&lt;/b&gt;" in section and "<b>x</b>" not in section
+    assert ui.mix_section(None) == "" and 'id="mix"' not in ui.run_page({**view, "report": {"status": "passed"}})

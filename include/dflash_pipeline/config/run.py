@@ -11,8 +11,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_pipeline.dataset.sampling import SamplingError, check_overrides
+from dflash_pipeline.config.mix import target_mix_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS, QualitySettings
+from dflash_pipeline.dataset.sampling import SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 from dflash_pipeline.dataset.sources import SourceError, is_glob, parse_sources
 
@@ -397,6 +398,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "holding tokenizer.json (+ tokenizer_config.json with the chat template). Null = no recount.",
         "section": SECTION_VALIDATION,
     },
+    "target_mix": target_mix_schema(SECTION_VALIDATION),
 }
 
 PARAM_SCHEMAS.update(QUALITY_PARAM_SCHEMAS)  # validation counts the quality signals (config/quality.py)
@@ -508,6 +510,7 @@ class RunConfig:
     heldout_fraction: float = 0.0
     heldout_salt: str = "dflash-heldout"
     heldout_uri: str | None = None
+    target_mix: dict[str, dict[str, float]] | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RunConfig":
@@ -549,6 +552,10 @@ class RunConfig:
                 parse_s3_uri(tokenizer, what="tokenizer")
             except UriError as exc:
                 raise ConfigError(str(exc)) from exc
+
+        from dflash_pipeline.config.mix import check_target_mix
+
+        target_mix = check_target_mix(params.get("target_mix"))
 
         def get(name: str) -> Any:
             return params.get(name, PARAM_SCHEMAS[name].get("default"))
@@ -608,6 +615,7 @@ class RunConfig:
             heldout_fraction=float(get("heldout_fraction")),
             heldout_salt=str(get("heldout_salt")),
             heldout_uri=get("heldout_uri") or None,
+            target_mix=target_mix,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_pipeline.config.mix import check_target_mix, target_mix_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
@@ -154,6 +155,7 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
+TOKENIZE_PARAM_SCHEMAS["target_mix"] = target_mix_schema(SECTION_TOKENIZE)  # the mix report's target (report only)
 
 # The trigger form's essentials (config.run.form_layout puts them first; the rest is "Advanced: ...").
 TOKENIZE_ESSENTIAL_PARAMS: tuple[str, ...] = ("output_uri", "tokenizer", "max_length", "profiles")
@@ -205,6 +207,7 @@ class TokenizeConfig:
     drop_quality: tuple[str, ...] = QUALITY_FLAG_NAMES
     quality: tuple[tuple[str, Any], ...] = ()
     """The ROW_QUALITY_PARAMS given (name, value); missing ones take their defaults."""
+    target_mix: dict[str, dict[str, float]] | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -222,6 +225,7 @@ class TokenizeConfig:
                 except UriError as exc:
                     raise ConfigError(str(exc)) from exc
         values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
+        values["target_mix"] = check_target_mix(params.get("target_mix"))
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])

@@ -426,11 +426,46 @@ def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[s
             links.append(f'<a href="{_e(md_url)}">report.md (Markdown source)</a>')
         links.append(f'<span class="mono">{_e(report.get("report_key"))}</span>')
         parts.append("<p>" + " \u00b7 ".join(links) + "</p>")
+    parts.append(mix_section(report.get("mix")))
     if plot_urls:
         parts.append('<h2>Plots</h2><div class="plots">' + "".join(
             f'<img src="{_e(u)}" alt="{_e(n)}" loading="lazy">' for n, u in plot_urls) + "</div>")
     parts.append("</section>")
     return "".join(parts)
+
+
+MIX_INLINE_LABELS = 6
+
+
+def mix_section(mix: Mapping[str, Any] | None) -> str:
+    """The mix of the completions (validation's report `mix`): a table per dimension the target names,
+    actual next to target with the gap; the other dimensions on one line each (largest labels first)."""
+    if not mix or not mix.get("dimensions"):
+        return ""
+    out = [f'<section id="mix"><h2>Mix</h2><p class="muted">Shares of the {_e(mix.get("basis"))} '
+           f'({_n(mix.get("completions"))})' + ("; target_mix side by side, gap = actual − target."
+                                                 if mix.get("target") else "; no target_mix given.") + "</p>"]
+    tables, lines = [], []
+    for dim, entry in mix["dimensions"].items():
+        rows = entry.get("rows") or []
+        if "max_abs_gap" in entry:
+            body = [[_e(r["label"]), _n(r["count"]), _pct(r["share"]), _pct(r.get("target", 0.0)),
+                     f'{100 * r.get("gap", 0.0):+.1f} pp'] for r in rows]
+            tables.append(f'<div data-dim="{_e(dim)}"><h3>{_e(dim)} <span class="muted">largest gap '
+                          f'{100 * entry["max_abs_gap"]:.1f} pp</span></h3>'
+                          + _table(["label", "completions", "share", "target", "gap"], body, cls="mix-target",
+                                   numeric=(1, 2, 3, 4)) + "</div>")
+        elif rows:
+            top = sorted(rows, key=lambda r: -r["count"])[:MIX_INLINE_LABELS]
+            more = f" · +{len(rows) - len(top)} more" if len(rows) > len(top) else ""
+            lines.append(f'<li data-dim="{_e(dim)}"><b>{_e(dim)}</b>: '
+                         + " · ".join(f"{_e(r['label'])} {_pct(r['share'])}" for r in top) + more + "</li>")
+    if tables:
+        out.append('<div class="cols">' + "".join(tables) + "</div>")
+    if lines:
+        out.append('<ul class="mix-other">' + "".join(lines) + "</ul>")
+    out.append("</section>")
+    return "".join(out)
 
 
 def tasks_line(tasks: Sequence[Mapping[str, Any]]) -> str:

@@ -107,7 +107,7 @@ class PlanStats:
 
 def thinking_modes(prompts: Iterable[Prompt], fraction: float | None) -> Iterator[tuple[Prompt, bool | None]]:
     """(prompt, thinking mode) in plan order: the row's own mode, else the quota's when a fraction is
-    set (config/sampling.ThinkingQuota), else None (the run's enable_thinking at request time)."""
+    set (dataset/sampling.ThinkingQuota), else None (the run's enable_thinking at request time)."""
     if fraction is None:
         for p in prompts:
             yield p, p.thinking

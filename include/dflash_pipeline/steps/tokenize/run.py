@@ -37,6 +37,7 @@ from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile
 from dflash_pipeline.steps.tokenize.qualityfilter import NEAR_DUPLICATE, quality_filter
 from dflash_pipeline.steps.tokenize.rowlabels import LABEL_COLUMNS, labels_by_unit, with_labels
 from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
+from dflash_pipeline.steps.validate import mix as mixreport
 from dflash_pipeline.steps.validate.tokencount import load_recounter
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,8 @@ def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingR
     stats.profiles = files.to_dict()
     for rel, data in sorted(files.files.items()):
         _put_once(store, layout.key(rel), data, _CONTENT_TYPES.get(rel.rsplit(".", 1)[-1], "application/octet-stream"))
-    won = _put_once(store, layout.tokenized_stats_key(chunk), json.dumps(stats.to_dict()).encode(), "application/json")
+    doc = {**stats.to_dict(), "mix": mixreport.kept_counts(table, out, s.enable_thinking)}  # the mix after filters
+    won = _put_once(store, layout.tokenized_stats_key(chunk), json.dumps(doc).encode(), "application/json")
     return ("written" if won else "lost_race"), stats
 
 
@@ -257,8 +259,10 @@ _COUNT_KEYS = ("dropped", "conversations_by_assistant_turns", "ids_source")
 EXAMPLES_IN_REPORT = 100
 
 
-def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
-    """Sum the parts' stats; check every completions part has its tokenized part."""
+def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dict[str, float]] | None = None,
+                 ) -> dict[str, Any]:
+    """Sum the parts' stats; check every completions part has its tokenized part. The mix of the
+    completions kept is set against validation's (before filters) and `target_mix`."""
     layout = DatasetLayout.from_uri(dataset["output_uri"])
     store = Store(client, layout.bucket)
     parts = list_parts(store, layout.completions_prefix)
@@ -270,6 +274,7 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     max_tokens = max_turn = 0
     missing_stats = []
     breakdown: dict[str, Any] = {}
+    kept_mix, mix_parts = mixreport.MixTally(), 0
     for c in parts:
         if c not in done:
             continue
@@ -289,6 +294,9 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
         max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
         _add_profiles(profiles, st.get("profiles") or {})
         add_breakdown(breakdown, st)
+        if "mix" in st:
+            kept_mix.add_counts(st["mix"])
+            mix_parts += 1
     missing = [c for c in parts if c not in done]
     rows_out = total["rows_out"]
     dropped = counts["dropped"]
@@ -331,6 +339,13 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
         "card_key": layout.dataset_card_key,
         "report_key": layout.tokenized_report_key,
     }
+    before = ((_get_json(store, layout.report_key) or {}).get("mix") or {}).get("counts")
+    report["mix"] = {**mixreport.mix_report(kept_mix.to_counts(), target_mix, before=before,
+                                            basis="completions kept by tokenize"), "parts_counted": mix_parts}
+    if set((kept_mix.to_counts()["by"].get("language") or {})) <= {mixreport.UNKNOWN}:
+        report["mix"]["dimensions"]["language"]["note"] = (
+            "tokenize identifies no language unless drop_quality has 'language' with `languages` set; "
+            "validation's mix has the languages of every completion")
     return report
 
 
@@ -400,14 +415,19 @@ def report_markdown(r: dict[str, Any]) -> str:
         lines += [f"- `{e}`" for e in r["prompt_template_differs_examples"]]
     if r["missing_parts"]:
         lines += ["", f"Missing parts (first 100): {r['missing_parts']}"]
-    return "\n".join(lines) + "\n"
+    mix = r.get("mix")
+    if mix and mix.get("parts_counted", 0) < r["parts_tokenized"]:
+        lines += ["", f"Mix: {r['parts_tokenized'] - mix.get('parts_counted', 0)} part(s) were tokenized before the "
+                  "mix was recorded and are not in it."]
+    return "\n".join(lines) + "\n" + mixreport.markdown(mix, "mix after filters")
 
 
-def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = DEFAULT_MIN_KEPT_SHARE) -> dict[str, Any]:
+def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = DEFAULT_MIN_KEPT_SHARE,
+                 target_mix: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """Build and write tokenized/report.json + .md and the dataset card (README.md at the dataset root);
     raise TokenizeFailed (after writing the report, before the card) when incomplete or when the rows kept
-    are fewer than `min_kept_share` of those counted (gates.py)."""
-    report = build_report(client, dataset)
+    are fewer than `min_kept_share` of those counted (gates.py). `target_mix` is set next to the mix kept."""
+    report = build_report(client, dataset, target_mix)
     if report["status"] == "complete":
         report["gate"] = gate(report, min_kept_share)
         if not report["gate"]["passed"]:

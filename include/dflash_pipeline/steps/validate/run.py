@@ -40,6 +40,7 @@ from dflash_pipeline.steps.validate.breakdown import LabelTally
 from dflash_pipeline.steps.validate.breakdown import markdown as label_markdown
 from dflash_pipeline.steps.validate.breakdown import report_fields as label_report_fields
 from dflash_pipeline.steps.validate.tally import LIST_LIMIT
+from dflash_pipeline.steps.validate import mix as mixreport
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +117,13 @@ def run_validation(
     tokenizer: str | None = None,
     plots: bool = True,
     quality: QualitySettings | None = None,
+    target_mix: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Check the dataset under `output_uri` against its plan; write the report, side files and plots.
 
     Raises ValidationFailed (after writing everything) when the dataset is not complete and exact
     or breaks a threshold. The quality signals (`quality`, default settings when None) are counted in
-    the report and never fail it.
+    the report and never fail it. `target_mix` (config.mix) is shown next to the mix; it never fails validation.
     """
     started = time.monotonic()
     thresholds = thresholds or Thresholds()
@@ -138,6 +140,8 @@ def run_validation(
     recounter = None
     columns = list(PART_READ_COLUMNS) + [c for c in LABEL_READ_COLUMNS if c not in PART_READ_COLUMNS]
     labels = LabelTally()
+    mix = mixreport.MixTally()
+    columns += [c for c in mixreport.READ_COLUMNS if c not in columns]
     if tokenizer:
         from dflash_pipeline.steps.validate.tokencount import load_recounter
 
@@ -201,6 +205,7 @@ def run_validation(
                     labels.add(table)
                     if signals is not None:
                         signals.add(table)
+                    mix.add(table, thinking)
                 v.add_chunk(planned_ids, table)
                 if c and c % 500 == 0:
                     logger.info("validated %d of %d chunks (%d rows) in %.0fs", c, len(sizes), t.completions + t.errors,
@@ -228,6 +233,15 @@ def run_validation(
         for name, png in pngs.items():
             with_retries(lambda: store.put(pkeys[name], png, content_type="image/png"), what=f"write {pkeys[name]}")
         files["plots"] = [pkeys[n] for n in pngs]
+    if signals is not None:
+        mix.use_languages(signals.languages)  # the answers' languages, identified once by the quality tally
+    mix_section = mixreport.mix_report(mix.to_counts(), target_mix)
+    if plots:
+        png = mixreport.render(mix_section, f"mix of the completions (before filters): {layout.uri}")
+        if png is not None:
+            key = f"{layout.root}/{mixreport.PLOT_FILE}"
+            with_retries(lambda: store.put(key, png, content_type="image/png"), what=f"write {key}")
+            files["plots"].append(key)
 
     report = build_report(t, manifest, layout, thresholds, files)
     report["acceptance"] = spec.report()
@@ -236,12 +250,14 @@ def run_validation(
     if signals is not None:
         files["near_duplicates"] = signals.near_key
         report["files"] = files
+    report["mix"] = mix_section
     report["elapsed_s"] = round(time.monotonic() - started, 1)
     with_retries(
         lambda: store.put(layout.report_key, json.dumps(report, indent=1).encode(), content_type="application/json"),
         what="write report",
     )
     md = (report_markdown(report) + label_markdown(report) + quality_tally.markdown(report["quality"])
+          + mixreport.markdown(mix_section, "mix (before filters)", plot_key=mixreport.plot_key(files))
           + acceptance.markdown(report["acceptance"]))
     with_retries(lambda: store.put(layout.report_md_key, md.encode(), content_type="text/markdown"), what="write report.md")
     logger.info("report for %s:\n%s", layout.uri, md)
