@@ -110,7 +110,7 @@ def test_worker_processes_give_the_same_report(s3_client: Any, bucket: str) -> N
     settings = QualitySettings(languages=("en",))
     serial = validate(s3_client, bucket, "ds/quality-serial", QualitySettings(languages=("en",), workers=1))["quality"]
     pooled = validate(s3_client, bucket, "ds/quality-pool", QualitySettings(languages=("en",), workers=2))["quality"]
-    assert pooled["workers"] == 2 and serial["workers"] == 1 and settings.workers == 0
+    assert pooled["workers"] == 2 and serial["workers"] == 1 and settings.workers == 1
     for q in (serial, pooled):
         for k in ("seconds", "cpu_seconds", "workers"):
             q.pop(k)
