@@ -3,7 +3,9 @@ with a few example rows (id + excerpt); the answers' languages; the near-duplica
 
 Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
 dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
-near_duplicates.parquet), then `report` / `markdown`.
+near_duplicates.parquet), then `report` / `markdown`. `part_quality` (one part's rows) is a plain function
+of its inputs, so with `quality_workers` > 1 it runs in worker processes; their results are merged in the
+order the parts were added.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -58,6 +59,7 @@ def _label(value: Any, lower: bool = False) -> str:
 
 
 def _excerpt(text: str, tail: bool = False) -> str:
+    text = text[-4 * EXCERPT_CHARS:] if tail else text[:4 * EXCERPT_CHARS]  # whitespace runs may shrink it
     text = " ".join(text.split())
     if len(text) <= EXCERPT_CHARS:
         return text
