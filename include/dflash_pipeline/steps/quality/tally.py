@@ -34,7 +34,7 @@ from dflash_pipeline.steps.quality.near_dup import (
     prompt_text,
     write_near_duplicates,
 )
-from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, row_signals, turns_of
+from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, is_loop, row_signals, turns_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +66,18 @@ def _excerpt(text: str, tail: bool = False) -> str:
     return "…" + text[-EXCERPT_CHARS:] if tail else text[:EXCERPT_CHARS] + "…"
 
 
-def _example_text(flag: str, row: dict[str, Any], signals: dict[str, Any]) -> str:
-    """What shows the flag: the end of a looping or cut text, the start of a refusal or a foreign answer."""
+def _example_text(flag: str, row: dict[str, Any], signals: dict[str, Any], settings: QualitySettings) -> str:
+    """What shows the flag: the end of the looping text (of the turn that loops) or of a cut reasoning, the
+    start of a refusal or of a foreign answer."""
     turns = turns_of(row)
-    if flag == "loop_reasoning":
-        return _excerpt(next((r for r, _, _ in turns if r), ""), tail=True)
-    if flag in ("loop_answer", "refusal", "language"):
+    if flag in ("loop_reasoning", "loop_answer"):
+        k = 0 if flag == "loop_reasoning" else 1
+        return _excerpt(next((t[k] for t in turns if is_loop(t[k], settings)), ""), tail=True)
+    if flag in ("refusal", "language"):
         text = "\n".join(a for _, a, _ in turns if a)
         if flag == "language":
             return f"[{signals.get('language')} {signals.get('language_score')}] " + _excerpt(text)
-        return _excerpt(text, tail=flag == "loop_answer")
+        return _excerpt(text)
     # truncated_thinking, empty_answer: how the reasoning ended
     return _excerpt(turns[-1][0] if turns else "", tail=True)
 
@@ -151,7 +153,7 @@ def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
         flags = flags_of(sig, settings)
         if flags:
             out.flagged.append((row["id"], unit_key(row), thinking, domain, flags,
-                                {f: _example_text(f, row, sig) for f in flags}))
+                                {f: _example_text(f, row, sig, settings) for f in flags}))
         out.labels.append((thinking, domain))
         ids.append(row["id"])
         prompts.append(prompt_text(row.get("messages") or _context_of(row)))
