@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/quality_bench.py                       # near-dup 100k prompts x num_perm 64/128/256 + row signals
     .venv/bin/python bench/quality_bench.py --prompts 20000 --num-perm 128 --rows 500   # a quick look
+    .venv/bin/python bench/quality_bench.py --examples   # loop stretches, language scores, sample-prompt pairs
+    .venv/bin/python bench/quality_bench.py --skip-near-dup --rows 0 --tally-parts 8 --workers 1,2   # worker processes
 
 Near-duplicate prompts (MinHash LSH, steps/quality/near_dup.py), one child process per num_perm so each
 peak RSS (VmHWM) is its own: the child builds `--prompts` synthetic chat prompts (Zipf-distributed
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import sys
 import time
@@ -181,6 +184,58 @@ def bench_rows(n: int, seed: int) -> dict[str, Any]:
     return res
 
 
+def bench_tally(parts: int, rows_per_part: int, workers: list[int], seed: int) -> None:
+    """Wall time of QualityTally.add over `parts` parts (the validation path: signals + MinHash), per
+    worker count; the parts are built first (Arrow tables in the part schema)."""
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.dataset.records import decode_part, encode_part
+    from dflash_pipeline.steps.quality.tally import QualityTally
+
+    rows = make_rows(rows_per_part, seed)
+    for i, r in enumerate(rows):
+        r["messages"] = [{"role": "user", "content": f"Problem {i}: " + r["reasoning"][:400]}]
+    table = decode_part(encode_part(rows))
+    for w in workers:
+        t = QualityTally(QualitySettings(), workers=w)
+        started = time.perf_counter()
+        for _ in range(parts):
+            t.add(table)
+        while t._pending:  # drain as finish() does, without the S3 write
+            t._merge(t._pending.popleft().result())
+        t.close()
+        wall = time.perf_counter() - started
+        n = parts * rows_per_part
+        print(json.dumps({"workers": w, "rows": n, "wall_s": round(wall, 2), "ms_per_row": round(wall / n * 1e3, 3),
+                          "cpus": os.cpu_count(), "load_1min": loadavg(),
+                          "900k_wall_min": round(wall / n * 902_087 / 60, 1)}), flush=True)
+
+
+def bench_examples() -> None:
+    """The figures docs/quality.md quotes about known texts: longest repeating stretch of each test text,
+    language scores of the test answers, near-duplicates of data/sample_prompts.jsonl per threshold."""
+    import quality_texts as qt
+
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.steps.quality.near_dup import NearDuplicateFinder, prompt_text
+    from dflash_pipeline.steps.quality.signals import identify_language, loop_stretches
+
+    s = QualitySettings()
+    for kind, texts in (("not_loop", qt.NOT_LOOPS), ("loop", qt.LOOPS)):
+        for name, text in texts.items():
+            st = loop_stretches(text, s.loop_ngram, s.loop_max_period)
+            span, rep = max(st) if st else (0, 0.0)
+            print(json.dumps({kind: name, "longest_stretch_tokens": span, "repeats": round(rep, 1)}))
+    for name in ("ENGLISH_ANSWER", "CODE_ANSWER", "FRENCH_ANSWER", "GERMAN_ANSWER", "CHINESE_ANSWER", "TABLE_ANSWER"):
+        print(json.dumps({"answer": name, "language": identify_language(getattr(qt, name), s)}))
+    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()]
+    ids = [r.get("id") or f"row{i}" for i, r in enumerate(rows)]
+    texts_ = [prompt_text(r.get("messages") or [{"role": "user", "content": r["prompt"]}]) for r in rows]
+    for th in (0.7, 0.8, 0.85, 0.9):
+        f = NearDuplicateFinder(th, 128)
+        f.add(ids, texts_)
+        print(json.dumps({"sample_prompts": len(rows), "threshold": th, "near_duplicates": len(f.finish())}))
+
+
 def main() -> None:
     from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 
@@ -192,12 +247,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--skip-near-dup", action="store_true")
+    ap.add_argument("--examples", action="store_true", help="only the figures about the known texts (seconds)")
+    ap.add_argument("--tally-parts", type=int, default=0, help="also time QualityTally over this many 500-row parts")
+    ap.add_argument("--workers", default="1,2", help="worker counts for --tally-parts")
     a = ap.parse_args()
     print(f"load average (1 min) at start: {loadavg()}", flush=True)
+    if a.examples:
+        bench_examples()
+        return
     if not a.skip_near_dup:
         bench_near_dup(a.prompts, [int(x) for x in a.num_perm.split(",")], a.threshold, a.dup_share, a.seed)
     if a.rows:
         bench_rows(a.rows, a.seed)
+    if a.tally_parts:
+        bench_tally(a.tally_parts, 500, [int(x) for x in a.workers.split(",")], a.seed)
 
 
 if __name__ == "__main__":

@@ -103,3 +103,18 @@ def test_quality_signals_off(s3_client: Any, bucket: str) -> None:
     r = validate(s3_client, bucket, "ds/quality-off", QualitySettings(enabled=False))
     assert r["quality"] == {"disabled": True} and "near_duplicates" not in r["files"]
     assert "Not computed" in get(s3_client, bucket, "ds/quality-off/report.md").decode()
+
+
+def test_worker_processes_give_the_same_report(s3_client: Any, bucket: str) -> None:
+    """quality_workers > 1: each part's signals in a spawned process, merged in part order."""
+    settings = QualitySettings(languages=("en",))
+    serial = validate(s3_client, bucket, "ds/quality-serial", QualitySettings(languages=("en",), workers=1))["quality"]
+    pooled = validate(s3_client, bucket, "ds/quality-pool", QualitySettings(languages=("en",), workers=2))["quality"]
+    assert pooled["workers"] == 2 and serial["workers"] == 1 and settings.workers == 1
+    for q in (serial, pooled):
+        for k in ("seconds", "cpu_seconds", "workers"):
+            q.pop(k)
+        q["near_duplicates"].pop("seconds")
+        q["near_duplicates"].pop("key")
+        q["settings"].pop("quality_workers")
+    assert pooled == serial

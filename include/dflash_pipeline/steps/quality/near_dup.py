@@ -22,6 +22,7 @@ import time
 import zlib
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,58 @@ def _identity(x: int) -> int:
     return x
 
 
+@dataclass
+class Signatures:
+    """The MinHash signatures of a run of prompts (a part's), as `prompt_signatures` returns them."""
+
+    ids: list[str]
+    sigs: np.ndarray
+    """uint32, one row of num_perm values per id."""
+    rows: list[int]
+    """Rows read for each id (its consecutive samples)."""
+    tags: list[int]
+    empty: int
+    seconds: float
+
+
+_PROTOS: dict[int, Any] = {}
+
+
+def prompt_signatures(ids: Iterable[str], prompts: Iterable[str], tags: Iterable[int] | None, num_perm: int) -> Signatures:
+    """MinHash each prompt (consecutive rows of one id are one prompt; an empty prompt is skipped).
+    A plain function of its inputs, so validation can run it in worker processes."""
+    from datasketch import MinHash
+
+    started = time.perf_counter()
+    proto = _PROTOS.get(num_perm)
+    if proto is None:
+        proto = _PROTOS[num_perm] = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME, hashfunc=_identity)
+    out_ids: list[str] = []
+    out_rows: list[int] = []
+    out_tags: list[int] = []
+    sigs: list[np.ndarray] = []
+    empty = 0
+    last = None
+    for pid, text, tag in zip(ids, prompts, tags if tags is not None else _zeros()):
+        if pid == last:
+            if out_ids and out_ids[-1] == pid:
+                out_rows[-1] += 1
+            continue
+        last = pid
+        sh = shingles(text)
+        if not len(sh):
+            empty += 1
+            continue
+        m = proto.copy()
+        m.update_batch(sh.tolist())
+        out_ids.append(pid)
+        out_rows.append(1)
+        out_tags.append(tag)
+        sigs.append(m.hashvalues.astype(np.uint32, copy=False))
+    matrix = np.stack(sigs) if sigs else np.zeros((0, num_perm), dtype=np.uint32)
+    return Signatures(out_ids, matrix, out_rows, out_tags, empty, time.perf_counter() - started)
+
+
 class NearDuplicateFinder:
     """Folds prompts in (any order), then `finish()` finds the near-duplicates in id order.
 
@@ -93,16 +146,12 @@ class NearDuplicateFinder:
     `finish` datasketch's LSH index of the kept prompts (measured in docs/quality.md)."""
 
     def __init__(self, threshold: float = 0.9, num_perm: int = 128) -> None:
-        from datasketch import MinHash
-
         self.threshold = threshold
         self.num_perm = num_perm
-        self._proto = MinHash(num_perm=num_perm, seed=SEED, scheme=SCHEME, hashfunc=_identity)
         self._ids: list[str] = []
         self._tags = array("i")
         self._rows = array("i")
         self._sigs: list[np.ndarray] = []
-        self._batch: list[np.ndarray] = []
         self.prompts = 0
         self.empty = 0
         self.seconds = 0.0
@@ -114,38 +163,27 @@ class NearDuplicateFinder:
     def add(self, ids: Iterable[str], prompts: Iterable[str], tags: Iterable[int] | None = None) -> None:
         """Prompts and their ids, with a small int tag each (the caller's label code; 0 if none). A
         repeated id (another sample of the prompt) counts as one more row of that prompt."""
-        started = time.perf_counter()
-        last = None
-        for pid, text, tag in zip(ids, prompts, tags if tags is not None else _zeros()):
-            if pid == last and self._ids and self._ids[-1] == pid:
-                self._rows[-1] += 1
-                continue
-            last = pid
-            sh = shingles(text)
-            if not len(sh):
-                self.empty += 1
-                continue
-            m = self._proto.copy()
-            m.update_batch(sh.tolist())
-            self._ids.append(pid)
-            self._tags.append(tag)
-            self._rows.append(1)
-            self._batch.append(m.hashvalues.astype(np.uint32, copy=False))
-            if len(self._batch) >= 4096:
-                self._flush()
-        self.seconds += time.perf_counter() - started
+        self.add_signatures(prompt_signatures(ids, prompts, tags, self.num_perm))
 
-    def _flush(self) -> None:
-        if self._batch:
-            self._sigs.append(np.stack(self._batch))
-            self._batch = []
+    def add_signatures(self, got: "Signatures") -> None:
+        """Signatures computed by `prompt_signatures` (in this process or a worker's), in read order."""
+        skip = 0
+        if got.ids and self._ids and got.ids[0] == self._ids[-1]:  # a prompt's samples across two parts
+            self._rows[-1] += got.rows[0]
+            skip = 1
+        self._ids.extend(got.ids[skip:])
+        self._tags.extend(got.tags[skip:])
+        self._rows.extend(got.rows[skip:])
+        if len(got.ids) > skip:
+            self._sigs.append(got.sigs[skip:])
+        self.empty += got.empty
+        self.seconds += got.seconds
 
     def finish(self) -> list[tuple[str, str, float]]:
         """(id, duplicate_of, similarity) of every near-duplicate, in id order."""
         from datasketch import LeanMinHash, MinHashLSH
 
         started = time.perf_counter()
-        self._flush()
         if not self._ids:
             return []
         sigs = np.concatenate(self._sigs) if len(self._sigs) > 1 else self._sigs[0]

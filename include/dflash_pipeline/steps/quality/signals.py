@@ -44,14 +44,19 @@ def loop_tokens(text: str) -> list[str]:
     if _CJK_RE.search(text):
         return TOKEN_RE.findall(text)
     words = text.split()
-    if not words or max(map(len, words)) <= PIECE:
+    if not words:
+        return words
+    long = np.flatnonzero(np.fromiter(map(len, words), dtype=np.int64, count=len(words)) > PIECE).tolist()
+    if not long:
         return words
     out: list[str] = []
-    for w in words:
-        if len(w) <= PIECE:
-            out.append(w)
-        else:
-            out.extend(w[i:i + PIECE] for i in range(0, len(w), PIECE))
+    prev = 0
+    for i in long:  # few: copy the runs of short words between them whole
+        out.extend(words[prev:i])
+        w = words[i]
+        out.extend(w[k:k + PIECE] for k in range(0, len(w), PIECE))
+        prev = i + 1
+    out.extend(words[prev:])
     return out
 
 _CODE_BLOCK = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)

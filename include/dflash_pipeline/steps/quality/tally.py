@@ -3,16 +3,23 @@ with a few example rows (id + excerpt); the answers' languages; the near-duplica
 
 Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
 dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
-near_duplicates.parquet), then `report` / `markdown`.
+near_duplicates.parquet), then `report` / `markdown`. `part_quality` (one part's rows) is a plain function
+of its inputs, so with `quality_workers` > 1 it runs in worker processes; their results are merged in the
+order the parts were added.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -20,8 +27,14 @@ from dflash_pipeline.config.quality import QualitySettings
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.dataset.store import Store
-from dflash_pipeline.steps.quality.near_dup import NearDuplicateFinder, prompt_text, write_near_duplicates
-from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, row_signals, turns_of
+from dflash_pipeline.steps.quality.near_dup import (
+    NearDuplicateFinder,
+    Signatures,
+    prompt_signatures,
+    prompt_text,
+    write_near_duplicates,
+)
+from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, is_loop, row_signals, turns_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +47,9 @@ EXCERPT_CHARS = 240
 MAX_DOMAINS = 50
 """Domains listed per flag; the rest are summed under "(other)"."""
 UNKNOWN = "unknown"
+AUTO_WORKERS = 8
+AUTO_MIN_ROWS = 20_000
+_EMPTY = np.zeros((0, 0), dtype=np.uint32)
 
 
 def _label(value: Any, lower: bool = False) -> str:
@@ -43,22 +59,25 @@ def _label(value: Any, lower: bool = False) -> str:
 
 
 def _excerpt(text: str, tail: bool = False) -> str:
+    text = text[-4 * EXCERPT_CHARS:] if tail else text[:4 * EXCERPT_CHARS]  # whitespace runs may shrink it
     text = " ".join(text.split())
     if len(text) <= EXCERPT_CHARS:
         return text
     return "…" + text[-EXCERPT_CHARS:] if tail else text[:EXCERPT_CHARS] + "…"
 
 
-def _example_text(flag: str, row: dict[str, Any], signals: dict[str, Any]) -> str:
-    """What shows the flag: the end of a looping or cut text, the start of a refusal or a foreign answer."""
+def _example_text(flag: str, row: dict[str, Any], signals: dict[str, Any], settings: QualitySettings) -> str:
+    """What shows the flag: the end of the looping text (of the turn that loops) or of a cut reasoning, the
+    start of a refusal or of a foreign answer."""
     turns = turns_of(row)
-    if flag == "loop_reasoning":
-        return _excerpt(next((r for r, _, _ in turns if r), ""), tail=True)
-    if flag in ("loop_answer", "refusal", "language"):
+    if flag in ("loop_reasoning", "loop_answer"):
+        k = 0 if flag == "loop_reasoning" else 1
+        return _excerpt(next((t[k] for t in turns if is_loop(t[k], settings)), ""), tail=True)
+    if flag in ("refusal", "language"):
         text = "\n".join(a for _, a, _ in turns if a)
         if flag == "language":
             return f"[{signals.get('language')} {signals.get('language_score')}] " + _excerpt(text)
-        return _excerpt(text, tail=flag == "loop_answer")
+        return _excerpt(text)
     # truncated_thinking, empty_answer: how the reasoning ended
     return _excerpt(turns[-1][0] if turns else "", tail=True)
 
@@ -97,10 +116,69 @@ class FlagCount:
         }
 
 
-class QualityTally:
-    """Folds completion parts into the quality counts; `finish` runs the near-duplicate search."""
+@dataclass
+class PartQuality:
+    """What one part contributes (computed by `part_quality`, in this process or a worker's)."""
 
-    def __init__(self, settings: QualitySettings) -> None:
+    rows: int
+    by_thinking: Counter[str]
+    by_domain: Counter[str]
+    languages: Counter[str]
+    flagged: list[tuple[str, str, str, str, list[str], dict[str, str]]]
+    """(id, unit key, thinking, domain, flags, excerpt per flag) of each flagged row, in part order."""
+    labels: list[tuple[str, str]]
+    """(thinking, domain) of each completion row; the signatures' tags index it."""
+    signatures: Signatures
+    seconds: float
+
+
+def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
+    """The signals of one part's completion rows (error and unfinished rows are not completions)."""
+    started = time.perf_counter()
+    names = part.column_names
+    keep = pc.fill_null(pc.is_in(part.column("finish_reason"), pa.array(["stop", "length"])), False)
+    if "error_class" in names:
+        keep = pc.and_(keep, pc.is_null(part.column("error_class")))
+    rows = part.filter(keep).select([c for c in READ_COLUMNS if c in names]).to_pylist()
+    out = PartQuality(len(rows), Counter(), Counter(), Counter(), [], [], Signatures([], _EMPTY, [], [], 0, 0.0), 0.0)
+    ids: list[str] = []
+    prompts: list[str] = []
+    for row in rows:
+        thinking = _label(row.get("thinking"), lower=True)
+        domain = _label(row.get("domain"))
+        out.by_thinking[thinking] += 1
+        out.by_domain[domain] += 1
+        sig = row_signals(row, settings)
+        out.languages[sig["language"] or "undetermined"] += 1
+        flags = flags_of(sig, settings)
+        if flags:
+            out.flagged.append((row["id"], unit_key(row), thinking, domain, flags,
+                                {f: _example_text(f, row, sig, settings) for f in flags}))
+        out.labels.append((thinking, domain))
+        ids.append(row["id"])
+        prompts.append(prompt_text(row.get("messages") or _context_of(row)))
+    out.signatures = prompt_signatures(ids, prompts, range(len(ids)), settings.near_duplicate_num_perm)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def pool_size(settings: QualitySettings, planned_rows: int) -> int:
+    """Worker processes for the row signals: `quality_workers`, or (0) one per core up to AUTO_WORKERS
+    when the dataset has at least AUTO_MIN_ROWS rows (a small one is done sooner in-process)."""
+    if settings.workers:
+        return settings.workers
+    if planned_rows < AUTO_MIN_ROWS:
+        return 1
+    return max(1, min(AUTO_WORKERS, os.cpu_count() or 1))
+
+
+class QualityTally:
+    """Folds completion parts into the quality counts; `finish` runs the near-duplicate search.
+
+    With `workers` > 1 each part's signals are computed in a process pool (spawn) and merged in the order
+    the parts were added, so the report is the same as in-process; at most 2 x workers parts are in flight."""
+
+    def __init__(self, settings: QualitySettings, workers: int = 1) -> None:
         self.settings = settings
         self.rows = 0
         self.flags = {f: FlagCount() for f in QUALITY_FLAGS}
@@ -114,44 +192,56 @@ class QualityTally:
         self.near_rows: list[tuple[str, str, float]] = []
         self.near_key: str | None = None
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._pending: deque[Future[PartQuality]] = deque()
 
     def add(self, part: pa.Table) -> None:
-        """The completion rows of one part (error rows and unfinished rows are not completions)."""
+        """One part (all its rows; the completions are picked out)."""
         started = time.perf_counter()
-        names = part.column_names
-        keep = pc.fill_null(pc.is_in(part.column("finish_reason"), pa.array(["stop", "length"])), False)
-        if "error_class" in names:
-            keep = pc.and_(keep, pc.is_null(part.column("error_class")))
-        tbl = part.filter(keep).select([c for c in READ_COLUMNS if c in names])
-        rows = tbl.to_pylist()
-        ids: list[str] = []
-        prompts: list[str] = []
-        tags: list[int] = []
-        for row in rows:
-            self.rows += 1
-            thinking = _label(row.get("thinking"), lower=True)
-            domain = _label(row.get("domain"))
-            self.by_thinking[thinking] += 1
-            self.by_domain[domain] += 1
-            sig = row_signals(row, self.settings)
-            self.languages[sig["language"] or "undetermined"] += 1
-            flags = flags_of(sig, self.settings)
-            pid = row["id"]
-            if flags:
-                key = unit_key(row)
-                self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
-                for f in flags:
-                    fc = self.flags[f]
-                    fc.add(thinking, domain, key, _example_text(f, row, sig) if len(fc.examples) < EXAMPLES else None)
-            tags.append(self._label_codes.setdefault((thinking, domain), len(self._label_codes)))
-            ids.append(pid)
-            prompts.append(prompt_text(row.get("messages") or _context_of(row)))
-        self.near.add(ids, prompts, tags)
+        if self.workers > 1 and self._pool is None:  # started on the first part: nothing to leak before
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+        if self._pool is None:
+            self._merge(part_quality(part, self.settings))
+        else:
+            self._pending.append(self._pool.submit(part_quality, part, self.settings))
+            while len(self._pending) > 2 * self.workers:
+                self._merge(self._pending.popleft().result())
         self.seconds += time.perf_counter() - started
+
+    def _merge(self, got: PartQuality) -> None:
+        self.rows += got.rows
+        self.by_thinking.update(got.by_thinking)
+        self.by_domain.update(got.by_domain)
+        self.languages.update(got.languages)
+        self.cpu_seconds += got.seconds
+        for pid, key, thinking, domain, flags, excerpts in got.flagged:
+            self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
+            for f in flags:
+                fc = self.flags[f]
+                fc.add(thinking, domain, key, excerpts[f] if len(fc.examples) < EXAMPLES else None)
+        codes = [self._label_codes.setdefault(label, len(self._label_codes)) for label in got.labels]
+        sigs = got.signatures
+        sigs.tags = [codes[i] for i in sigs.tags]
+        self.near.add_signatures(sigs)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent; `finish` calls it, and validation does on a failure)."""
+        if self._pool is not None:
+            for fut in self._pending:
+                fut.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def finish(self, store: Store, layout: DatasetLayout) -> None:
         """Find the near-duplicate prompts, count them, and write near_duplicates.parquet."""
         started = time.perf_counter()
+        try:
+            while self._pending:
+                self._merge(self._pending.popleft().result())
+        finally:
+            self.close()
         self.near_rows = self.near.finish()
         self.near_key = write_near_duplicates(store, layout, self.near_rows)
         fc = self.flags["near_duplicate"]
@@ -181,6 +271,8 @@ class QualityTally:
             "near_duplicates": {"key": self.near_key, "prompts": self.near.prompts, "duplicates": len(self.near_rows),
                                 "empty_prompts": self.near.empty, "seconds": round(self.near.seconds, 2)},
             "seconds": round(self.seconds, 2),
+            "cpu_seconds": round(self.cpu_seconds, 2),
+            "workers": self.workers,
             "note": "Quality signals never fail validation; tokenize's drop_quality decides what is dropped "
                     "(docs/quality.md). language is flagged only when `languages` is set.",
         }

@@ -154,7 +154,8 @@ def run_validation(
 
     columns += [c for c in acceptance.READ_COLUMNS if c not in columns]
     quality = quality or QualitySettings()
-    signals = quality_tally.QualityTally(quality) if quality.enabled else None
+    signals = (quality_tally.QualityTally(quality, workers=quality_tally.pool_size(quality, sum(sizes)))
+               if quality.enabled else None)
     if signals is not None:
         columns += [c for c in quality_tally.READ_COLUMNS if c not in columns]
     spec = acceptance.AcceptanceTally(thinking)
@@ -221,6 +222,8 @@ def run_validation(
             files[name] = keys[name]
     finally:
         v.close()
+        if signals is not None:
+            signals.close()
 
     files["report_md"] = layout.report_md_key
     if plots:
