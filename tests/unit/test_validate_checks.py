@@ -102,7 +102,7 @@ def test_clean_dataset_report_matches_parts(s3_client: Any, bucket: str) -> None
     # side files exist (empty), plots are valid PNGs, report.json and report.md are written
     for key in ("missing_ids", "duplicate_ids", "unexpected_ids"):
         assert lines(s3_client, bucket, r["files"][key]) == []
-    assert len(r["files"]["plots"]) == 3
+    assert len(r["files"]["plots"]) == 4  # lengths, thinking vs answer, throughput, mix
     for key in r["files"]["plots"]:
         assert get(s3_client, bucket, key).startswith(PNG_MAGIC)
     stored = json.loads(get(s3_client, bucket, "ds/clean/report.json"))
