@@ -23,9 +23,10 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "tokenizer": {
         "type": ["null", "string"],
         "default": None,
-        "description": "The training tokenizer: a local tokenizer.json or model directory, "
-        "s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ tokenizer_config.json "
-        "with the chat template). Null = the one validation recounted with (from the dataset's report).",
+        "description": "The training tokenizer: a Hugging Face id (through the hub cache), a local tokenizer.json "
+        "or model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ "
+        "tokenizer_config.json with the chat template). Null = the generate run's (recorded in its manifest at "
+        "plan; a Hugging Face id at the snapshot plan checked), else the one validation recounted with.",
         "section": SECTION_TOKENIZE,
     },
     "train_turns": {

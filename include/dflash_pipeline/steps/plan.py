@@ -20,12 +20,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dflash_pipeline.config import RunConfig
+from dflash_pipeline.config import ConfigError, RunConfig
 from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
 from dflash_pipeline.dataset.records import encode_inputs
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.dataset.tokenizer_source import check_tokenizer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,19 @@ def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool)
     }
 
 
+def check_run_tokenizer(client: Any, cfg: RunConfig) -> dict[str, Any] | None:
+    """The `tokenizer` param found, loaded and its chat template rendered (thinking on and off) before any
+    request is sent, so a wrong id or path fails the run here, not at validation hours later. Returns the
+    record the manifest keeps (`manifest["tokenizer"]`: source, kind, revision or ETag, sha256 of the
+    tokenizer file and template), which the asset-triggered tokenize run takes; None without the param."""
+    if not cfg.tokenizer:
+        return None
+    try:
+        return check_tokenizer_spec(cfg.tokenizer, client)
+    except ConfigError as exc:
+        raise PlanError(f"{exc}. Nothing was sent to the servers.") from exc
+
+
 def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     """Plan the dataset root `cfg.output_uri` (or check and reuse an existing plan)."""
     layout = DatasetLayout.from_uri(cfg.output_uri)
@@ -273,11 +287,14 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     except HeldoutError as exc:
         raise PlanError(str(exc)) from exc
     pins = pinned_settings(cfg, head.etag, head.size, heldout_etag)
+    tokenizer = check_run_tokenizer(client, cfg)
 
     existing = load_manifest(out_store, layout)
     if existing is not None:
         manifest, _ = existing
         accepted = check_pins(manifest, pins, cfg)
+        if tokenizer is not None and manifest.get("tokenizer") != tokenizer:
+            manifest = update_manifest(out_store, layout, lambda m: m.update(tokenizer=tokenizer))
         if accepted:
             logger.warning("accept_pin_changes: continuing %s with changed settings: %s", layout.uri, accepted)
 
@@ -416,6 +433,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "inputs_prefix": f"{layout.inputs_prefix}{plan_id}/",
         },
         "heldout": heldout_entry,
+        "tokenizer": tokenizer,
         "model_resolved": None,
         "runs": {},
     }

@@ -80,20 +80,33 @@ def load_tokenizer(client: Any, settings: TokenizeSettings) -> TrainingRowBuilde
         return builder
 
 
+def manifest_tokenizer(manifest: dict[str, Any]) -> str | None:
+    """The tokenizer the generate run was planned with (plan checked it and recorded it in the manifest), as
+    a spec that loads the same files: a Hugging Face id pinned to the snapshot's commit."""
+    rec = manifest.get("tokenizer") or {}
+    source = rec.get("source")
+    if not source:
+        return None
+    if rec.get("kind") == "huggingface" and rec.get("revision") and "@" not in source:
+        return f"{source}@{rec['revision']}"
+    return str(source)
+
+
 def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
-    """The settings for one dataset: the params, the manifest's enable_thinking, and the tokenizer
-    validation used when the param is null."""
+    """The settings for one dataset: the params, the manifest's enable_thinking, and, when the tokenizer param
+    is null, the generate run's tokenizer (the manifest's record, else the one validation recounted with)."""
     manifest = _get_json(store, layout.manifest_key)
     if manifest is None:
         raise ConfigError(f"{layout.uri}/manifest.json does not exist: not a dflash_generate dataset")
     thinking = bool(manifest.get("pinned", {}).get("sampling", {}).get("enable_thinking", True))
-    tokenizer = cfg.tokenizer
+    tokenizer = cfg.tokenizer or manifest_tokenizer(manifest)
     if not tokenizer:
         report = _get_json(store, layout.report_key) or {}
         tokenizer = (report.get("token_recount") or {}).get("tokenizer")
         if not tokenizer:
-            raise ConfigError(f"{layout.uri}: validation did not recount with a tokenizer, so there is no default; "
-                              "give the tokenizer param (a tokenizer.json, model directory or s3:// prefix)")
+            raise ConfigError(f"{layout.uri}: the generate run had no tokenizer param (none in its manifest, no "
+                              "recount in its report), so there is no default; give the tokenizer param (a Hugging "
+                              "Face id, a tokenizer.json, a model directory or an s3:// prefix)")
     return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
                             loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
                             enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
@@ -101,6 +114,19 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                             min_loss_tokens=cfg.min_loss_tokens,
                             require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens,
                             heldout_uri=cfg.heldout_uri)
+
+
+def check_against_manifest(manifest: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
+    """The generate run's tokenizer, taken by default, must still be the file plan checked: a tokenizer.json
+    replaced since (same path or key, other bytes) would make ids the engine's counts were not made with."""
+    rec = manifest.get("tokenizer") or {}
+    if settings.tokenizer != manifest_tokenizer(manifest) or not rec.get("tokenizer_json_sha256"):
+        return
+    now = builder.provenance.get("tokenizer_json_sha256")
+    if now != rec["tokenizer_json_sha256"]:
+        raise ConfigError(f"tokenizer {settings.tokenizer!r} changed since the generate run was planned (tokenizer.json "
+                          f"sha256 {rec['tokenizer_json_sha256'][:12]}… then, {str(now)[:12]}… now); give the "
+                          "tokenizer param to tokenize with this one")
 
 
 def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
@@ -144,6 +170,7 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         store = Store(client, layout.bucket)
         settings = resolve_settings(store, layout, cfg)
         ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
+        check_against_manifest(_get_json(store, layout.manifest_key) or {}, settings, ct)
         load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)  # and a bad split
         pin_settings(store, layout, settings, ct)
         parts = list_parts(store, layout.completions_prefix)
