@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from test_dag_run import _run_dagtest, _upload_jsonl  # the sibling module's dag.test() runner
 
+from dflash_pipeline.dev.hub_cache import fill_hub_cache
 from dflash_pipeline.dev.sim import SimConfig, SimServer
 from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
 from dflash_pipeline.dev.stack import MotoServer
@@ -31,16 +32,6 @@ def moto(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-def _hub_cache(root: Path, tokenizer_dir: Path) -> Path:
-    snap = root / ("models--" + REPO_ID.replace("/", "--")) / "snapshots" / COMMIT
-    snap.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (snap / name).write_bytes((tokenizer_dir / name).read_bytes())
-    (snap.parent.parent / "refs").mkdir()
-    (snap.parent.parent / "refs" / "main").write_text(COMMIT)
-    return root
-
-
 def _get(moto: MotoServer, key: str) -> Any:
     return json.loads(moto.client().get_object(Bucket="data", Key=key)["Body"].read())
 
@@ -48,7 +39,8 @@ def _get(moto: MotoServer, key: str) -> Any:
 def test_plan_checks_the_tokenizer_before_any_request(moto: MotoServer, tmp_path: Path) -> None:
     server = SimServer(SimConfig(token_time_s=0.0005, length_scale=0.05, max_running_requests=8)).start()
     try:
-        cache = _hub_cache(tmp_path / "hub", build_sim_tokenizer(tmp_path / "sim-tok"))
+        cache = tmp_path / "hub"
+        fill_hub_cache(cache, REPO_ID, build_sim_tokenizer(tmp_path / "sim-tok"), COMMIT)
         prompts = _upload_jsonl(moto, "prompts/tok.jsonl", [{"id": f"t{i}", "prompt": f"What is {i} plus {i}?"}
                                                             for i in range(30)])
         base = {"prompts_uri": prompts, "servers": [server.url], "save_every": 10, "max_tokens": 150,

@@ -5,7 +5,6 @@ failures (wrong id, missing file, missing or broken chat template)."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from dflash_pipeline.dataset.tokenizer_source import (
     hf_repo_of,
     store_getter,
 )
+from dflash_pipeline.dev.hub_cache import fill_hub_cache
 from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -31,14 +31,7 @@ def _no_s3(bucket: str, key: str) -> Any:
 
 def hub_cache(root: Path, repo: str, source: Path, commit: str = COMMIT) -> Path:
     """A hub cache holding `source`'s tokenizer files as `repo` at `commit` (main points at it)."""
-    folder = root / ("models--" + repo.replace("/", "--"))
-    snap = folder / "snapshots" / commit
-    snap.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, snap / name)
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text(commit)
+    fill_hub_cache(root, repo, source, commit)
     return root
 
 
