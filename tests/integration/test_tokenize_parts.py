@@ -186,8 +186,60 @@ def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: st
     summary = run_assignment(s3_client, forced)
     assert (summary["written"], summary["present"], summary["lost_race"]) == (0, PARTS, 0)
     assert _outputs(s3_client, bucket, dataset) == before
-    with pytest.raises(ConfigError, match="other settings.*max_length"):
-        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, max_length=8192))
+    with pytest.raises(ConfigError, match=r"tokenization 'default' .* other settings.*max_length.*Its files stay as "
+                                          r"they are.*tokenization='s-[0-9a-f]{8}' \(free: tokenized/s-[0-9a-f]{8}/\)"):
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, max_length=8192,
+                                                      tokenization="default"))
+    assert _outputs(s3_client, bucket, dataset) == before
+
+
+def test_other_settings_make_a_named_tokenization_beside_the_first(s3_client: Any, bucket: str,
+                                                                   dataset: DatasetLayout) -> None:
+    """Tokenizing again with other settings never touches the first tokenization: a name asked for (or, with
+    none, one derived from the settings) gets its own folder; the same name and settings resume; the card
+    lists both and says which one its configs are."""
+    def run(cfg: TokenizeConfig) -> dict[str, Any]:
+        planned = plan(s3_client, [dataset.uri], cfg)
+        for a in planned["assignments"]:
+            run_assignment(s3_client, a)
+        return write_report(s3_client, planned["datasets"][0])
+
+    first = run(TokenizeConfig(min_loss_tokens=1, workers=2))
+    assert first["tokenization"] == "default" and first["tokenized_prefix"] == dataset.tokenized_prefix
+    default_files = _objects(s3_client, bucket, dataset.tokenized_prefix)
+
+    last = run(TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    named = dataset.tokenized_as("last")
+    assert last["tokenization"] == "last" and last["tokenized_prefix"] == f"{dataset.root}/tokenized/last/"
+    old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
+    assert (first["rows_out"], last["rows_out"]) == (old_rows + 2 * new_rows, old_rows + new_rows)
+    assert _objects(s3_client, bucket, dataset.tokenized_prefix + "parquet/") == {
+        k: v for k, v in default_files.items() if k.startswith(dataset.tokenized_prefix + "parquet/")}  # untouched
+    rows = pa.concat_tables(pq.read_table(io.BytesIO(s3_client.get_object(
+        Bucket=bucket, Key=named.key(profile_keys("parquet", c)["rows"]))["Body"].read())) for c in range(PARTS))
+    assert set(rows.column("turn").to_pylist()) == {0, 1} and rows.num_rows == last["rows_out"]
+    settings = json.loads(s3_client.get_object(Bucket=bucket, Key=named.tokenized_settings_key)["Body"].read())
+    assert (settings["tokenization"], settings["tokenized_dir"], settings["train_turns"]) == ("last", "tokenized/last", "last")
+    card = s3_client.get_object(Bucket=bucket, Key=dataset.dataset_card_key)["Body"].read().decode()
+    assert "path: tokenized/last/parquet/part-*.parquet" in card and "## Tokenizations" in card
+    assert "| `default` | `tokenized/` |" in card and "| `last` | `tokenized/last/` |" in card
+    assert "This card's configs and paths are tokenization `last`" in card
+
+    # the same name and settings resume (nothing to do); other settings under that name are refused
+    again = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    assert again["datasets"][0]["already_done"] == PARTS and all(a["jobs"] == [] for a in again["assignments"])
+    with pytest.raises(ConfigError, match=r"tokenization 'last' .*other settings.*max_length.*tokenization='s-"):
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", max_length=128,
+                                                      tokenization="last"))
+    # no name: the tokenization made with these settings is found and resumed; new settings get a new name
+    found = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last"))
+    assert found["datasets"][0]["tokenization"] == "last" and found["datasets"][0]["already_done"] == PARTS
+    third = run(TokenizeConfig(min_loss_tokens=1, workers=2, max_length=128))
+    assert third["tokenization"].startswith("s-") and third["status"] == "complete"
+    listed = _objects(s3_client, bucket, dataset.tokenized_prefix)
+    assert len([k for k in listed if k.endswith("settings.json")]) == 3
+    with pytest.raises(ConfigError, match="name of a folder of the default tokenization"):
+        TokenizeConfig.from_params({"tokenization": "parquet"})
 
 
 def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
-from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset.layout import TOKENIZATION_NAME_RE, TOKENIZED_RESERVED, UriError, parse_s3_uri
 
 
 SECTION_TOKENIZE = "Tokenize"
@@ -27,6 +27,17 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "or model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ "
         "tokenizer_config.json with the chat template). Null = the generate run's (recorded in its manifest at "
         "plan; a Hugging Face id at the snapshot plan checked), else the one validation recounted with.",
+        "section": SECTION_TOKENIZE,
+    },
+    "tokenization": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^[a-z0-9][a-z0-9_-]{0,62}$",
+        "description": "Name of this tokenization of the dataset: 'default' writes directly under tokenized/, any "
+        "other name under tokenized/<name>/, beside the others (the dataset card lists them all). The same name "
+        "with the same settings resumes; with other settings it is refused (the message names a free name). "
+        "Null = the tokenization already made with these settings, else 'default' when free, else a new name "
+        "derived from the settings (s-<hash>).",
         "section": SECTION_TOKENIZE,
     },
     "train_turns": {
@@ -160,6 +171,7 @@ class TokenizeConfig:
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
+    tokenization: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -179,5 +191,12 @@ class TokenizeConfig:
         values = {n: params.get(n, s.get("default")) for n, s in TOKENIZE_PARAM_SCHEMAS.items()}
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
+        values["tokenization"] = values["tokenization"] or None
+        if values["tokenization"] is not None and not TOKENIZATION_NAME_RE.match(values["tokenization"]):
+            raise ConfigError(f"tokenization {values['tokenization']!r}: use 1-63 lower-case letters, digits, '_' or "
+                              "'-', starting with a letter or digit")
+        if values["tokenization"] in TOKENIZED_RESERVED:
+            raise ConfigError(f"tokenization {values['tokenization']!r} is the name of a folder of the default "
+                              f"tokenization; not one of {sorted(TOKENIZED_RESERVED)}")
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
         return cls(**values)

@@ -5,12 +5,14 @@ dataset root and the completions part's index; a part's outputs are written with
 in the order export JSONL → stats → tokenized Parquet, and the Parquet is the commit point. A worker
 skips a part whose Parquet exists (checked on S3 before the work), and a write that loses a race
 (412) means another worker wrote the same deterministic bytes: nothing to do. The settings are
-pinned in `tokenized/settings.json` by the first run, so a rerun cannot mix shards made with other
-settings. Memory holds one part and the next one being fetched, whatever the dataset's size.
+pinned in the tokenization's `settings.json` by its first run, so a rerun cannot mix shards made with
+other settings; other settings make another, named tokenization beside it (`tokenized/<name>/`, the
+first one, 'default', directly under `tokenized/`), never a rewrite. Memory holds one part and the next one being fetched, whatever the dataset's size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -23,7 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_pipeline.config import ConfigError, TokenizeConfig
-from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.layout import DEFAULT_TOKENIZATION, TOKENIZED_RESERVED, DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 from dflash_pipeline.steps.tokenize.card import dataset_card
 from dflash_pipeline.dataset.heldout import HeldoutSplit
@@ -129,29 +131,85 @@ def check_against_manifest(manifest: dict[str, Any], settings: TokenizeSettings,
                           "tokenizer param to tokenize with this one")
 
 
-def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
-    """Write tokenized/settings.json once (the settings, plus provenance: the tokenizer file's and chat
-    template's sha256, the model and engines from the manifest, SpecForge's template name); a later run
-    must ask for the same settings with the same tokenizer file."""
-    manifest = _get_json(store, layout.manifest_key) or {}
-    doc = {**settings.to_dict(),
-           "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
-           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
-    body = json.dumps(doc, indent=1, sort_keys=True).encode()
-    if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
-        return
-    pinned = _get_json(store, layout.tokenized_settings_key) or {}
-    differ = {}
+def _differ(pinned: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> dict[str, Any]:
+    """What a pinned settings.json and these settings (with this tokenizer file) disagree on; {} = the same."""
+    differ: dict[str, Any] = {}
     if TokenizeSettings.from_dict(pinned) != settings:
         differ = {k: (pinned.get(k), v) for k, v in settings.to_dict().items() if pinned.get(k) != v}
     sha = "tokenizer_json_sha256"
     was = ((pinned.get("provenance") or {}).get("tokenizer") or {}).get(sha)
     if was is not None and was != builder.provenance.get(sha):
         differ[sha] = (was, builder.provenance.get(sha))
+    return differ
+
+
+def existing_tokenizations(store: Store, layout: DatasetLayout) -> dict[str, dict[str, Any]]:
+    """{name: its pinned settings.json} of every tokenization of the dataset: 'default' (directly under
+    tokenized/) and each tokenized/<name>/ holding a settings.json."""
+    base = layout.tokenized_as(None)
+    out: dict[str, dict[str, Any]] = {}
+    doc = _get_json(store, base.tokenized_settings_key)
+    if doc is not None:
+        out[DEFAULT_TOKENIZATION] = doc
+    for name in with_retries(lambda: store.folders(base.tokenizations_prefix), what="list tokenizations"):
+        if name in TOKENIZED_RESERVED:
+            continue
+        doc = _get_json(store, base.tokenized_as(name).tokenized_settings_key)
+        if doc is not None:
+            out[name] = doc
+    return out
+
+
+def free_name(settings: TokenizeSettings, builder: TrainingRowBuilder, taken: set[str]) -> str:
+    """A name for a new tokenization with these settings: s-<8 hex of their sha256> (-2, -3... if taken)."""
+    blob = json.dumps({**settings.to_dict(), "tokenizer_json_sha256": builder.provenance.get("tokenizer_json_sha256")},
+                      sort_keys=True)
+    name = "s-" + hashlib.sha256(blob.encode()).hexdigest()[:8]
+    n, candidate = 2, name
+    while candidate in taken:
+        candidate, n = f"{name}-{n}", n + 1
+    return candidate
+
+
+def choose_tokenization(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder,
+                        requested: str | None) -> str:
+    """The tokenization this run writes: the name asked for; else the one already made with these settings
+    (resumed), else 'default' when free, else a new name (`free_name`). Never rewrites another's files."""
+    if requested is not None:
+        return requested
+    existing = existing_tokenizations(store, layout)
+    for name, doc in existing.items():
+        if not _differ(doc, settings, builder):
+            return name
+    if DEFAULT_TOKENIZATION not in existing:
+        return DEFAULT_TOKENIZATION
+    name = free_name(settings, builder, set(existing))
+    logger.info("%s: tokenized/ holds %s made with other settings; this tokenization is %r (tokenized/%s/)",
+                layout.uri, sorted(existing), name, name)
+    return name
+
+
+def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
+    """Write the tokenization's settings.json once (the settings, its name, plus provenance: the tokenizer
+    file's and chat template's sha256, the model and engines from the manifest, SpecForge's template name); a
+    later run of the same tokenization must ask for the same settings with the same tokenizer file, and is
+    refused otherwise with a free name to write a new tokenization beside it."""
+    manifest = _get_json(store, layout.manifest_key) or {}
+    name = layout.tokenization or DEFAULT_TOKENIZATION
+    doc = {**settings.to_dict(), "tokenization": name, "tokenized_dir": layout.tokenized_dir,
+           "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
+           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
+    body = json.dumps(doc, indent=1, sort_keys=True).encode()
+    if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
+        return
+    differ = _differ(_get_json(store, layout.tokenized_settings_key) or {}, settings, builder)
     if differ:
+        free = free_name(settings, builder, set(existing_tokenizations(store, layout)))
         raise ConfigError(
-            f"{layout.uri}/tokenized/ was made with other settings (pinned, asked): {differ}. Ask for the pinned "
-            f"settings, or delete s3://{layout.bucket}/{layout.tokenized_prefix} to tokenize again"
+            f"tokenization {name!r} of {layout.uri} ({layout.tokenized_dir}/) was made with other settings (pinned, "
+            f"asked): {differ}. Its files stay as they are: ask for its settings to resume it, or give another "
+            f"tokenization name to write a new one beside it, e.g. tokenization={free!r} (free: "
+            f"{layout.tokenized_as(free).tokenized_dir}/)"
         )
 
 
@@ -172,6 +230,8 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
         check_against_manifest(_get_json(store, layout.manifest_key) or {}, settings, ct)
         load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)  # and a bad split
+        name = choose_tokenization(store, layout, settings, ct, cfg.tokenization)
+        layout = layout.tokenized_as(name)
         pin_settings(store, layout, settings, ct)
         parts = list_parts(store, layout.completions_prefix)
         done = set(list_parts(store, layout.tokenized_stats_prefix))
@@ -185,9 +245,10 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
             slot += 1
         for w, chunk_list in enumerate(jobs):
             if chunk_list:
-                per_worker[w].append({"output_uri": layout.uri, "parts": chunk_list, "settings": settings.to_dict()})
-        datasets.append({"output_uri": layout.uri, "parts": len(parts), "already_done": len(parts) - len(todo),
-                         "settings": settings.to_dict()})
+                per_worker[w].append({"output_uri": layout.uri, "tokenization": name, "parts": chunk_list,
+                                      "settings": settings.to_dict()})
+        datasets.append({"output_uri": layout.uri, "tokenization": name, "parts": len(parts),
+                         "already_done": len(parts) - len(todo), "settings": settings.to_dict()})
     return {
         "assignments": [{"worker": w, "jobs": jobs} for w, jobs in enumerate(per_worker)],
         "datasets": datasets,
@@ -232,7 +293,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {"worker": assignment.get("worker"), "written": 0, "present": 0, "lost_race": 0,
                                "rows": 0, "tokens": 0}
     for job in assignment.get("jobs", []):
-        layout = DatasetLayout.from_uri(job["output_uri"])
+        layout = DatasetLayout.from_uri(job["output_uri"]).tokenized_as(job.get("tokenization"))
         store = Store(client, layout.bucket)
         settings = TokenizeSettings.from_dict(job["settings"])
         ct = load_tokenizer(client, settings)
@@ -273,7 +334,7 @@ EXAMPLES_IN_REPORT = 100
 
 def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     """Sum the parts' stats; check every completions part has its tokenized part."""
-    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    layout = DatasetLayout.from_uri(dataset["output_uri"]).tokenized_as(dataset.get("tokenization"))
     store = Store(client, layout.bucket)
     parts = list_parts(store, layout.completions_prefix)
     done = set(list_parts(store, layout.tokenized_stats_prefix))
@@ -311,6 +372,7 @@ def build_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
+        "tokenization": layout.tokenization or DEFAULT_TOKENIZATION,
         "status": "complete" if not missing and not missing_stats else "incomplete",
         "settings": dataset.get("settings"),
         "provenance": pinned.get("provenance"),
@@ -365,7 +427,7 @@ def report_markdown(r: dict[str, Any]) -> str:
     s = r.get("settings") or {}
     src = r.get("ids_source") or {}
     lines = [
-        f"# tokenized: {r['output_uri']}", "",
+        f"# tokenized: {r['output_uri']} (tokenization `{r.get('tokenization', 'default')}`)", "",
         f"Status **{r['status']}**: {r['parts_tokenized']} of {r['parts']} parts. Tokenizer `{s.get('tokenizer')}`, "
         f"max_length {s.get('max_length')}, train_turns `{s.get('train_turns')}`, loss_on_reasoning "
         f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}, train_eot_newline "
@@ -410,7 +472,7 @@ def write_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
     """Build and write tokenized/report.json + .md and the dataset card (README.md at the dataset root);
     raise TokenizeFailed (after writing the report) when incomplete."""
     report = build_report(client, dataset)
-    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    layout = DatasetLayout.from_uri(dataset["output_uri"]).tokenized_as(dataset.get("tokenization"))
     store = Store(client, layout.bucket)
     with_retries(lambda: store.put(layout.tokenized_report_key, json.dumps(report, indent=1).encode(),
                                    content_type="application/json"), what="write tokenized report")
@@ -426,7 +488,7 @@ def write_report(client: Any, dataset: dict[str, Any]) -> dict[str, Any]:
         )
     pinned = _get_json(store, layout.tokenized_settings_key) or dataset.get("settings") or {}
     manifest = _get_json(store, layout.manifest_key) or {}
-    card = dataset_card(report, pinned, manifest)
+    card = dataset_card(report, pinned, manifest, tokenizations=existing_tokenizations(store, layout))
     with_retries(lambda: store.put(layout.dataset_card_key, card.encode(), content_type="text/markdown"),
                  what="write the dataset card")
     return report
