@@ -294,3 +294,36 @@ def test_tokenizer_from_s3_gives_the_same_shards(s3_client: Any, bucket: str, da
     assert local.equals(remote)
     settings = json.loads(s3_client.get_object(Bucket=bucket, Key=other.tokenized_settings_key)["Body"].read())
     assert settings["tokenizer"] == f"s3://{bucket}/models/qwen"
+
+
+def test_the_generate_runs_tokenizer_from_the_manifest_and_an_explicit_one_wins(
+        s3_client: Any, bucket: str, qwen_tokenizer: Path, tmp_path: Path) -> None:
+    """Without the tokenizer param, tokenize takes the one plan checked and recorded in the manifest (not the
+    report's); an explicit param wins and is what the settings record; a tokenizer file replaced since plan is
+    refused."""
+    from dflash_pipeline.dataset.tokenizer_source import check_tokenizer_spec
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        s3_client.put_object(Bucket=bucket, Key=f"models/gen/{name}", Body=(qwen_tokenizer / name).read_bytes())
+    layout = _write_dataset(s3_client, bucket, "ds/tok-manifest", str(qwen_tokenizer))
+    report = {"status": "passed", "completions": 1, "token_recount": {"tokenizer": "/nonexistent/report-tokenizer"}}
+    s3_client.put_object(Bucket=bucket, Key=layout.report_key, Body=json.dumps(report).encode())
+    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.manifest_key)["Body"].read())
+    manifest["tokenizer"] = check_tokenizer_spec(f"s3://{bucket}/models/gen", s3_client)
+    s3_client.put_object(Bucket=bucket, Key=layout.manifest_key, Body=json.dumps(manifest).encode())
+
+    planned = plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1))
+    assert planned["datasets"][0]["settings"]["tokenizer"] == f"s3://{bucket}/models/gen"
+    explicit = plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1, tokenizer=str(qwen_tokenizer),
+                                                            tokenization="explicit"))
+    assert explicit["datasets"][0]["settings"]["tokenizer"] == str(qwen_tokenizer)
+    doc = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.tokenized_as("explicit").tokenized_settings_key)
+                     ["Body"].read())
+    assert doc["tokenizer"] == str(qwen_tokenizer) and doc["provenance"]["tokenizer"]["source"] == str(qwen_tokenizer)
+
+    other = json.loads((qwen_tokenizer / "tokenizer.json").read_text())
+    other["added_tokens"] = other["added_tokens"][:-1]
+    s3_client.put_object(Bucket=bucket, Key="models/gen/tokenizer.json", Body=json.dumps(other).encode())
+    with pytest.raises(ConfigError, match=rf"tokenizer 's3://{bucket}/models/gen' changed since the generate run was "
+                                          r"planned.*give the tokenizer param"):
+        plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1, tokenization="again"))
