@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.config import ConfigError
 from dflash_pipeline.dataset.tokenizer_source import (
+    TokenizerError,
     check_tokenizer,
     check_tokenizer_spec,
     fetch_tokenizer,
@@ -68,7 +68,7 @@ def test_local_folder_is_loaded_and_its_template_rendered(tiny: Path) -> None:
 
 def test_missing_template_fails_clearly(tmp_path: Path) -> None:
     bare = build_sim_tokenizer(tmp_path / "bare", chat_template=None)
-    with pytest.raises(ConfigError, match=r"no chat template \(local: looked for chat_template.jinja and 'chat_template' in tokenizer_config.json"):
+    with pytest.raises(TokenizerError, match=r"no chat template \(local: looked for chat_template.jinja and 'chat_template' in tokenizer_config.json"):
         check_tokenizer(str(bare), _no_s3, tmp_path / "work")
 
 
@@ -76,16 +76,16 @@ def test_template_that_does_not_render_fails_with_the_mode(tmp_path: Path) -> No
     tok = build_sim_tokenizer(tmp_path / "t", chat_template=(
         "{% if not enable_thinking %}{{ raise_exception('thinking only') }}{% endif %}"
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"))
-    with pytest.raises(ConfigError, match=r"does not render a sample conversation with enable_thinking=False: "
+    with pytest.raises(TokenizerError, match=r"does not render a sample conversation with enable_thinking=False: "
                                           r"TemplateError: thinking only"):
         check_tokenizer(str(tok), _no_s3, tmp_path / "work")
     drops = build_sim_tokenizer(tmp_path / "d", chat_template="{{ messages[-1]['content'] }}")
-    with pytest.raises(ConfigError, match="dropped the system message"):
+    with pytest.raises(TokenizerError, match="dropped the system message"):
         check_tokenizer(str(drops), _no_s3, tmp_path / "work2")
 
 
 def test_missing_local_file_names_what_was_tried(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"tokenizer '/nope/tok': /nope/tok/tokenizer.json does not exist|"
+    with pytest.raises(TokenizerError, match=r"tokenizer '/nope/tok': /nope/tok/tokenizer.json does not exist|"
                                           r"/nope/tok does not exist"):
         check_tokenizer("/nope/tok", _no_s3, tmp_path)
 
@@ -101,10 +101,10 @@ def test_hugging_face_id_from_the_hub_cache_offline(offline_hub: Path, tiny: Pat
 
 
 def test_wrong_hugging_face_id_fails_clearly_offline(offline_hub: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"tokenizer 'tiny-org/no-such-model': tokenizer.json of 'tiny-org/no-such-model' "
+    with pytest.raises(TokenizerError, match=r"tokenizer 'tiny-org/no-such-model': tokenizer.json of 'tiny-org/no-such-model' "
                                           rf"is not in the hub cache {offline_hub} only \(HF_HUB_OFFLINE is set\)"):
         check_tokenizer("tiny-org/no-such-model", _no_s3, tmp_path)
-    with pytest.raises(ConfigError, match=r"is not in the hub cache"):
+    with pytest.raises(TokenizerError, match=r"is not in the hub cache"):
         check_tokenizer("tiny-org/tiny-chat@ffffffffffffffffffffffffffffffffffffffff", _no_s3, tmp_path)
 
 
@@ -120,7 +120,7 @@ def test_hugging_face_id_when_the_hub_is_unreachable(tmp_path: Path, tiny: Path,
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.chdir(tmp_path)
     assert check_tokenizer("tiny-org/tiny-chat", _no_s3, tmp_path / "w")["revision"] == COMMIT
-    with pytest.raises(ConfigError, match=rf"tiny-org/other.*http://127.0.0.1:{port}"):
+    with pytest.raises(TokenizerError, match=rf"tiny-org/other.*http://127.0.0.1:{port}"):
         check_tokenizer("tiny-org/other", _no_s3, tmp_path / "w2")
 
 
@@ -131,13 +131,13 @@ def test_s3_prefix_and_file_through_moto(s3_client: Any, bucket: str, tiny: Path
     for spec in (f"s3://{bucket}/models/tiny", f"s3://{bucket}/models/tiny/tokenizer.json"):
         rec = check_tokenizer_spec(spec, s3_client)
         assert (rec["kind"], rec["revision"], rec["template_source"]) == ("s3", etag, "tokenizer_config.json"), spec
-    with pytest.raises(ConfigError, match=rf"s3://{bucket}/models/none/tokenizer.json does not exist"):
+    with pytest.raises(TokenizerError, match=rf"s3://{bucket}/models/none/tokenizer.json does not exist"):
         check_tokenizer_spec(f"s3://{bucket}/models/none", s3_client)
-    with pytest.raises(ConfigError, match=r"cannot read s3://no-such-bucket-dflash/m/tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"cannot read s3://no-such-bucket-dflash/m/tokenizer.json"):
         check_tokenizer_spec("s3://no-such-bucket-dflash/m", s3_client)
     # only tokenizer.json on S3: no template, refused
     s3_client.put_object(Bucket=bucket, Key="bare/tokenizer.json", Body=(tiny / "tokenizer.json").read_bytes())
-    with pytest.raises(ConfigError, match=r"no chat template \(s3"):
+    with pytest.raises(TokenizerError, match=r"no chat template \(s3"):
         check_tokenizer(f"s3://{bucket}/bare", store_getter(s3_client), tmp_path / "w")
 
 

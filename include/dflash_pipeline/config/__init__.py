@@ -26,6 +26,7 @@ from dflash_pipeline.config.run import (
     short_server_labels,
 )
 from dflash_pipeline.config.tokenize import (
+    DEFAULT_FORMATS,
     DFLASH_MIN_LOSS_TOKENS,
     SECTION_TOKENIZE,
     TOKENIZE_PARAM_SCHEMAS,
@@ -36,7 +37,7 @@ from dflash_pipeline.config.tokenize import (
 
 __all__ = [
     "EVAL_PARAM_SCHEMAS", "Condition", "EvalConfig", "Group",
-    "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
+    "DEFAULT_FORMATS", "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
     "SECTION_SERVERS", "SECTION_TOKENIZE", "SECTION_VALIDATION", "TOKENIZE_PARAM_SCHEMAS", "TOKENIZE_PROFILES",
     "TRAINER_PARAM_SCHEMAS", "ConfigError", "RunConfig", "Sampling", "TokenizeConfig", "short_server_labels",
 ]

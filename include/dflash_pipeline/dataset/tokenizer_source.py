@@ -13,7 +13,7 @@ A wrong id or a missing chat template must fail the run at planning, not at the 
 `fetch_tokenizer` resolves a spec to local files (validation and tokenize load them from there);
 `check_tokenizer` also loads the tokenizer and renders its chat template on a sample conversation, thinking
 on and off, and returns the record plan writes into the manifest (`manifest["tokenizer"]`). Every failure is
-a `ConfigError` naming the spec, what was tried and what is missing.
+a `TokenizerError` naming the spec, what was tried and what is missing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.config import ConfigError
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 
 logger = logging.getLogger(__name__)
@@ -49,6 +48,11 @@ SAMPLE_CONVERSATION: list[dict[str, Any]] = [
     {"role": "user", "content": "And 4 + 4?"},
 ]
 """What the check renders: a system turn, an answered turn with reasoning and an open user turn."""
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be found, read or used: retrying cannot fix it (callers turn it into their own
+    configuration error)."""
+
 
 S3Get = Callable[[str, str], "bytes | tuple[bytes, str | None] | None"]
 """`s3_get(bucket, key)`: the object's bytes (or (bytes, ETag)), None when absent."""
@@ -83,7 +87,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot read {path.name}: {exc}") from exc
+        raise TokenizerError(f"tokenizer: cannot read {path.name}: {exc}") from exc
     return data if isinstance(data, dict) else {}
 
 
@@ -106,7 +110,7 @@ def _local_files(spec: str) -> TokenizerFiles:
     else:
         folder, tj = p.parent, p
     if not tj.is_file():
-        raise ConfigError(f"tokenizer {spec!r}: {tj} does not exist (give a tokenizer.json, a model directory, "
+        raise TokenizerError(f"tokenizer {spec!r}: {tj} does not exist (give a tokenizer.json, a model directory, "
                           "an s3:// URI or a Hugging Face id such as Qwen/Qwen3-8B)")
     cfg_path = folder / CONFIG_FILE
     config = _read_config(cfg_path) if cfg_path.is_file() else {}
@@ -118,7 +122,7 @@ def _s3_files(spec: str, s3_get: S3Get, workdir: Path) -> TokenizerFiles:
     try:
         uri = parse_s3_uri(spec, what="tokenizer")
     except UriError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise TokenizerError(str(exc)) from exc
     if uri.key.endswith(".json"):
         tj_key = uri.key
         prefix = uri.key.rsplit("/", 1)[0] if "/" in uri.key else ""
@@ -132,17 +136,17 @@ def _s3_files(spec: str, s3_get: S3Get, workdir: Path) -> TokenizerFiles:
     def get(k: str) -> tuple[bytes | None, str | None]:
         try:
             got = s3_get(uri.bucket, k)
-        except ConfigError:
+        except TokenizerError:
             raise
         except Exception as exc:  # noqa: BLE001 - the store's errors: access denied, no such bucket, unreachable
-            raise ConfigError(f"tokenizer {spec!r}: cannot read s3://{uri.bucket}/{k}: {exc}") from exc
+            raise TokenizerError(f"tokenizer {spec!r}: cannot read s3://{uri.bucket}/{k}: {exc}") from exc
         if isinstance(got, tuple):
             return got[0], got[1]
         return got, None
 
     data, etag = get(tj_key)
     if data is None:
-        raise ConfigError(f"tokenizer {spec!r}: s3://{uri.bucket}/{tj_key} does not exist")
+        raise TokenizerError(f"tokenizer {spec!r}: s3://{uri.bucket}/{tj_key} does not exist")
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / TOKENIZER_FILE).write_bytes(data)
     for name in OPTIONAL_FILES:
@@ -179,18 +183,18 @@ def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
     try:
         path = Path(download(TOKENIZER_FILE))
     except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise ConfigError(f"tokenizer {spec!r}: Hugging Face repository {repo!r} not found or not accessible "
+        raise TokenizerError(f"tokenizer {spec!r}: Hugging Face repository {repo!r} not found or not accessible "
                           f"(tried {where}); not a local path either: {type(exc).__name__}") from exc
     except RevisionNotFoundError as exc:
-        raise ConfigError(f"tokenizer {spec!r}: revision {revision!r} of {repo!r} not found (tried {where})") from exc
+        raise TokenizerError(f"tokenizer {spec!r}: revision {revision!r} of {repo!r} not found (tried {where})") from exc
     except LocalEntryNotFoundError as exc:
-        raise ConfigError(f"tokenizer {spec!r}: {TOKENIZER_FILE} of {repo!r} is not in {where}; on a machine "
+        raise TokenizerError(f"tokenizer {spec!r}: {TOKENIZER_FILE} of {repo!r} is not in {where}; on a machine "
                           f"without the hub, fill the cache first (huggingface-cli download {repo} {TOKENIZER_FILE} "
                           f"{CONFIG_FILE}) or give a local directory or an s3:// URI") from exc
     except EntryNotFoundError as exc:
-        raise ConfigError(f"tokenizer {spec!r}: {repo!r} has no {TOKENIZER_FILE} (tried {where})") from exc
+        raise TokenizerError(f"tokenizer {spec!r}: {repo!r} has no {TOKENIZER_FILE} (tried {where})") from exc
     except Exception as exc:  # noqa: BLE001 - HTTP errors, bad ids (HFValidationError), an unwritable cache
-        raise ConfigError(f"tokenizer {spec!r}: cannot load {TOKENIZER_FILE} of {repo!r} from {where}: "
+        raise TokenizerError(f"tokenizer {spec!r}: cannot load {TOKENIZER_FILE} of {repo!r} from {where}: "
                           f"{type(exc).__name__}: {exc}") from exc
     for name in OPTIONAL_FILES:
         try:
@@ -206,7 +210,7 @@ def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
 def fetch_tokenizer(spec: str, s3_get: S3Get, workdir: Path) -> TokenizerFiles:
     """Resolve `spec` to local files: S3 objects are copied to `workdir`, hub files stay in the hub cache."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError("tokenizer: empty spec")
+        raise TokenizerError("tokenizer: empty spec")
     if spec.startswith("s3://"):
         return _s3_files(spec, s3_get, workdir)
     hf = hf_repo_of(spec)
@@ -245,7 +249,7 @@ def _sha256(data: bytes | str) -> str:
 
 def render_sample(files: TokenizerFiles, enable_thinking: bool) -> str:
     """The sample conversation through the chat template with a generation prompt (as the engine renders a
-    request); a template error is a ConfigError naming the tokenizer and the thinking mode."""
+    request); a template error is a TokenizerError naming the tokenizer and the thinking mode."""
     assert files.chat_template is not None
     special = {k: v if isinstance(v, str) else (v or {}).get("content", "") for k, v in files.config.items()
                if k in ("bos_token", "eos_token", "pad_token", "unk_token") and v}
@@ -254,11 +258,11 @@ def render_sample(files: TokenizerFiles, enable_thinking: bool) -> str:
             messages=SAMPLE_CONVERSATION, add_generation_prompt=True, enable_thinking=enable_thinking, tools=None,
             **special)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, or a template that calls missing helpers
-        raise ConfigError(f"tokenizer {files.spec!r}: its chat template ({files.template_source}) does not render a "
+        raise TokenizerError(f"tokenizer {files.spec!r}: its chat template ({files.template_source}) does not render a "
                           f"sample conversation with enable_thinking={enable_thinking}: {type(exc).__name__}: {exc}") from exc
     for msg in SAMPLE_CONVERSATION:
         if msg["content"] not in text:
-            raise ConfigError(f"tokenizer {files.spec!r}: its chat template ({files.template_source}) dropped the "
+            raise TokenizerError(f"tokenizer {files.spec!r}: its chat template ({files.template_source}) dropped the "
                               f"{msg['role']} message {msg['content']!r} of the sample conversation "
                               f"(enable_thinking={enable_thinking})")
     return text
@@ -284,7 +288,7 @@ def check_tokenizer_spec(spec: str, client: Any) -> dict[str, Any]:
 
 
 def check_tokenizer(spec: str, s3_get: S3Get, workdir: Path) -> dict[str, Any]:
-    """Resolve, load and render: the record plan keeps in the manifest. Raises ConfigError (which source was
+    """Resolve, load and render: the record plan keeps in the manifest. Raises TokenizerError (which source was
     tried, what is missing) for a tokenizer that cannot be found or read, or has no usable chat template."""
     from tokenizers import Tokenizer
 
@@ -293,16 +297,16 @@ def check_tokenizer(spec: str, s3_get: S3Get, workdir: Path) -> dict[str, Any]:
     try:
         tok = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception on a bad file
-        raise ConfigError(f"tokenizer {spec!r}: {files.tokenizer_json} ({files.kind}) is not a tokenizers file: "
+        raise TokenizerError(f"tokenizer {spec!r}: {files.tokenizer_json} ({files.kind}) is not a tokenizers file: "
                           f"{exc}") from exc
     if files.chat_template is None:
-        raise ConfigError(f"tokenizer {spec!r}: no chat template ({files.kind}: looked for {JINJA_FILE} and "
+        raise TokenizerError(f"tokenizer {spec!r}: no chat template ({files.kind}: looked for {JINJA_FILE} and "
                           f"'chat_template' in {CONFIG_FILE} next to {TOKENIZER_FILE}); the training rows must be "
                           "rendered as the engine rendered the requests: add the model's tokenizer_config.json")
     rendered = {mode: render_sample(files, mode) for mode in (True, False)}
     tokens = {mode: len(tok.encode(text, add_special_tokens=False).ids) for mode, text in rendered.items()}
     if not all(tokens.values()):
-        raise ConfigError(f"tokenizer {spec!r}: encodes the rendered sample to no tokens")
+        raise TokenizerError(f"tokenizer {spec!r}: encodes the rendered sample to no tokens")
     record = {
         "source": spec,
         "kind": files.kind,

@@ -20,13 +20,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.config import RunConfig
 from dflash_pipeline.dataset.heldout import HeldoutError, HeldoutWriter, load_split, write_heldout
 from dflash_pipeline.dataset.layout import DatasetLayout, parse_s3_uri
 from dflash_pipeline.dataset.prompts import Prompt, PromptFileError, Reject, iter_prompt_file
 from dflash_pipeline.dataset.records import encode_inputs
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
-from dflash_pipeline.dataset.tokenizer_source import check_tokenizer_spec
+from dflash_pipeline.dataset.tokenizer_source import TokenizerError, check_tokenizer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def check_run_tokenizer(client: Any, cfg: RunConfig) -> dict[str, Any] | None:
         return None
     try:
         return check_tokenizer_spec(cfg.tokenizer, client)
-    except ConfigError as exc:
+    except TokenizerError as exc:
         raise PlanError(f"{exc}. Nothing was sent to the servers.") from exc
 
 

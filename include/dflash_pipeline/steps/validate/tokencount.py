@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from dflash_pipeline.config import ConfigError
-from dflash_pipeline.dataset.tokenizer_source import TokenizerFiles, fetch_tokenizer, jinja_env
+from dflash_pipeline.dataset import tokenizer_source
+from dflash_pipeline.dataset.tokenizer_source import TokenizerError, TokenizerFiles, jinja_env
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,14 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 _jinja_env = jinja_env
+
+
+def fetch_tokenizer(spec: str, s3_get: Callable[[str, str], Any], workdir: Path) -> TokenizerFiles:
+    """`tokenizer_source.fetch_tokenizer`, its failures as ConfigError (a run's configuration is wrong)."""
+    try:
+        return tokenizer_source.fetch_tokenizer(spec, s3_get, workdir)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _token_text(value: Any) -> str | None:
