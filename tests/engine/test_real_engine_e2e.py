@@ -16,8 +16,9 @@ defaults; then every finished turn is tokenized again (a copy of the dataset, `m
 * the loss mask is 0 on the prompt and 1 on exactly the generated tokens (and that `\\n`).
 
 Then the trainers read what the DAG wrote, with their own code (SpecForge 0.2.0's pre-tokenized
-path, speculators 0.9.0's prepare-data + dataset, `datasets` through the dataset card): the same ids
-and masks as our Parquet.
+path, speculators 0.9.0's prepare-data + dataset on the files of a second, named tokenization with the
+speculators format, which the default formats leave out, `datasets` through the dataset card): the same
+ids and masks as our Parquet.
 """
 
 from __future__ import annotations
