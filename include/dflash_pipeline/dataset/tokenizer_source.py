@@ -175,6 +175,7 @@ def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
     hub = hub_settings()
     where = f"the hub cache {hub['cache_dir'] or '(huggingface_hub default)'}" + (
         " only (HF_HUB_OFFLINE is set)" if hub["local_files_only"] else f" and {hub['endpoint'] or 'huggingface.co'}")
+    where += f"; read as a Hugging Face id because no local path {spec!r} exists"
 
     def download(name: str) -> str:
         return str(hf_hub_download(repo, name, revision=revision, cache_dir=hub["cache_dir"],
@@ -184,7 +185,7 @@ def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
         path = Path(download(TOKENIZER_FILE))
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise TokenizerError(f"tokenizer {spec!r}: Hugging Face repository {repo!r} not found or not accessible "
-                          f"(tried {where}); not a local path either: {type(exc).__name__}") from exc
+                          f"(tried {where}): {type(exc).__name__}") from exc
     except RevisionNotFoundError as exc:
         raise TokenizerError(f"tokenizer {spec!r}: revision {revision!r} of {repo!r} not found (tried {where})") from exc
     except LocalEntryNotFoundError as exc:
