@@ -211,15 +211,22 @@ def airflow_dags_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty Hugging Face hub cache (HF_HUB_CACHE) the session's Airflow stack reads, offline
+    (HF_HUB_OFFLINE=1): fill it (the layout huggingface_hub writes) to pass a Hugging Face id as `tokenizer`."""
+    return tmp_path_factory.mktemp("hf-hub")
+
+
+@pytest.fixture(scope="session")
 def _airflow_stack_session(
-    tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer, airflow_dags_dir: Path
+    tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer, airflow_dags_dir: Path, hf_hub_cache: Path
 ) -> Iterator[AirflowStack]:
     plugins = REPO / "plugins"
     stack = AirflowStack(
         tmp_path_factory.mktemp("airflow-stack"),
         REPO / "dags",
         plugins if plugins.is_dir() else None,
-        moto_server.env(),
+        {**moto_server.env(), "HF_HUB_CACHE": str(hf_hub_cache), "HF_HUB_OFFLINE": "1"},
         extra_dag_folders={TEST_DAGS_BUNDLE: airflow_dags_dir},
         wait_for_dags=(),  # trigger() waits for its own DAG; a broken dags/ file fails only its tests
     )

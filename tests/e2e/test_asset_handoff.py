@@ -2,8 +2,10 @@
 
 dflash_tokenize is scheduled on the `dflash_completions` asset; the scheduler creates its run from the
 event that validate_and_count emitted; `prepare` reads the event's extra (the dataset's output_uri),
-takes the tokenizer validation recounted with (Qwen's real BPE here), `tokenize` runs mapped over the
-workers and `report` writes tokenized/report.json. Other tests' runs emit events too, so the consumer
+takes the generate run's tokenizer from its manifest (Qwen's real BPE, given to dflash_generate as a
+Hugging Face id held by the stack's hub cache: plan checked it and recorded the snapshot's commit, and
+tokenize loads that very snapshot), `tokenize` runs mapped over the workers and `report` writes
+tokenized/report.json. Other tests' runs emit events too, so the consumer
 run is found by the output_uri its report names.
 """
 
@@ -44,10 +46,18 @@ def _consumer_results(stack: AirflowStack) -> list[tuple[dict[str, Any], list[di
     return out
 
 
+HUB_ID = "dflash-test/qwen3-bpe"
+"""Qwen's real BPE with the project's Qwen3-style template (dev/qwen_tokenizer.py), as a hub id."""
+
+
 def test_validated_run_is_tokenized_by_the_scheduled_consumer(
-    airflow_stack: AirflowStack, sim_fleet, s3_client: Any, bucket: str, qwen_tokenizer: Path
+    airflow_stack: AirflowStack, sim_fleet, s3_client: Any, bucket: str, qwen_tokenizer: Path, hf_hub_cache: Path
 ) -> None:
     from tokenizers import Tokenizer
+
+    from dflash_pipeline.dev.hub_cache import fill_hub_cache
+
+    commit = fill_hub_cache(hf_hub_cache, HUB_ID, qwen_tokenizer)
 
     # the servers "serve" Qwen's BPE: the vLLM-wire one returns its token ids, the SGLang-wire one plays a
     # version before 0.5.17 (none: its turns are re-encoded and checked)
@@ -58,7 +68,7 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
     s3_client.put_object(Bucket=bucket, Key="p/handoff.jsonl", Body=body.encode())
     output_uri = f"s3://{bucket}/ds/handoff"
     conf = {"prompts_uri": f"s3://{bucket}/p/handoff.jsonl", "output_uri": output_uri, "servers": fleet.urls,
-            "save_every": 40, "tokenizer": str(qwen_tokenizer)}
+            "save_every": 40, "tokenizer": HUB_ID}
     known = airflow_stack.run_ids(CONSUMER)
     run_id = airflow_stack.trigger("dflash_generate", conf)
     assert airflow_stack.wait_run("dflash_generate", run_id, timeout_s=300) == "success"
@@ -112,8 +122,8 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
         return sorted(o["Key"] for o in listed if o["Key"].startswith(layout.key(f"tokenized/{folder}/part-")))
 
     shards = files("parquet")
-    assert len(shards) == len(completions) == len(files("specforge")) == len(files("specforge-conversations")) \
-        == len(files("speculators")) >= 3
+    assert len(shards) == len(completions) == len(files("specforge")) == len(files("specforge-conversations")) >= 3
+    assert files("speculators") == []  # not in the default formats (parquet + specforge)
     assert any(o["Key"] == layout.dataset_card_key for o in listed)
     tok = Tokenizer.from_file(str(qwen_tokenizer / "tokenizer.json"))
     rows = tokens = 0
@@ -134,5 +144,12 @@ def test_validated_run_is_tokenized_by_the_scheduled_consumer(
     assert rows == summary["rows_out"] and tokens == summary["tokens"]
     assert sorted(kept) == sorted(keep)  # each kept prompt exactly once, none lost, none wrongly dropped
     report = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.tokenized_report_key)["Body"].read())
-    assert report["status"] == "complete" and report["settings"]["tokenizer"] == str(qwen_tokenizer)
+    # the generate run's tokenizer, at the snapshot its plan checked (the manifest's record), the same bytes
+    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.manifest_key)["Body"].read())
+    assert (manifest["tokenizer"]["source"], manifest["tokenizer"]["kind"], manifest["tokenizer"]["revision"]) == (
+        HUB_ID, "huggingface", commit)
+    assert report["status"] == "complete" and report["settings"]["tokenizer"] == f"{HUB_ID}@{commit}"
+    assert report["provenance"]["tokenizer"]["tokenizer_json_sha256"] == manifest["tokenizer"]["tokenizer_json_sha256"]
+    validated = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.report_key)["Body"].read())
+    assert validated["token_recount"]["tokenizer"] == HUB_ID
     assert set(report["ids_source"]) == {"engine", "retokenized"} and report["unverified"] == 0

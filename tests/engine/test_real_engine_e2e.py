@@ -16,8 +16,9 @@ defaults; then every finished turn is tokenized again (a copy of the dataset, `m
 * the loss mask is 0 on the prompt and 1 on exactly the generated tokens (and that `\\n`).
 
 Then the trainers read what the DAG wrote, with their own code (SpecForge 0.2.0's pre-tokenized
-path, speculators 0.9.0's prepare-data + dataset, `datasets` through the dataset card): the same ids
-and masks as our Parquet.
+path, speculators 0.9.0's prepare-data + dataset on the files of a second, named tokenization with the
+speculators format, which the default formats leave out, `datasets` through the dataset card): the same
+ids and masks as our Parquet.
 """
 
 from __future__ import annotations
@@ -224,6 +225,13 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
         checked[name] = {"rows": every.num_rows, "finish": dict(finishes), "noncanonical": noncanonical,
                          "later_turns": multi, "dag_rows": dag_rows.num_rows}
 
+        # speculators' files are not in the default formats: a second, named tokenization of the same dataset
+        # (same settings but the formats) writes them beside the DAG's, the same rows
+        extra = plan(s3_client, [layout.uri], TokenizeConfig(profiles=("speculators",), tokenization="for-speculators"))
+        assert extra["datasets"][0]["tokenization"] == "for-speculators"
+        for a in extra["assignments"]:
+            run_assignment(s3_client, a)
+
         # the trainers read what the DAG wrote, with their own code
         root = tmp_path / name
         for key in _keys(s3_client, bucket, layout.root + "/"):
@@ -237,7 +245,7 @@ def test_generate_and_tokenize_on_a_real_vllm_server_are_token_exact(
         in_file_order = [(r["input_ids"], r["loss_mask"]) for p in parts for r in pq.read_table(p).to_pylist()]
         (sf, sf_rows), (sp, sp_rows), (hf, hf_rows) = run_loaders([
             ("specforge-tokens", ["--file", str(root / "train.jsonl"), "--max-length", "4096"]),
-            ("speculators", ["--data", str(root / "tokenized/speculators"), "--tokenizer", str(vllm_server.tokenizer_dir),
+            ("speculators", ["--data", str(root / "tokenized/for-speculators/speculators"), "--tokenizer", str(vllm_server.tokenizer_dir),
                              "--prepared", str(tmp_path / f"{name}-prepared"), "--max-length", "4096"]),
             ("parquet", ["--root", str(root), "--json-globs", "tokenized/specforge/part-*.jsonl"]),
         ])

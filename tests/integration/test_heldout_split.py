@@ -237,8 +237,12 @@ def test_tokenize_heldout_uri_guards_a_dataset_planned_without_a_split(s3_client
     layout = DatasetLayout.from_uri(cfg.output_uri)
     for folder, ids in _shard_units(s3_client, bucket, layout).items():
         assert ids and not ids & set(named), folder
-    # The tokenize split is pinned with the settings: another heldout_uri is refused.
+    # The tokenize split is pinned with the settings: another heldout_uri is refused under the same tokenization
+    # (without a name, it would be a new tokenization beside this one, never a rewrite of its shards).
     from dflash_pipeline.config import ConfigError
 
     with pytest.raises(ConfigError, match="heldout_uri"):
-        tokenize_plan(s3_client, [cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), min_loss_tokens=1))
+        tokenize_plan(s3_client, [cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), min_loss_tokens=1,
+                                                                  tokenization="default"))
+    other = tokenize_plan(s3_client, [cfg.output_uri], TokenizeConfig(tokenizer=str(qwen_tokenizer), min_loss_tokens=1))
+    assert other["datasets"][0]["tokenization"].startswith("s-")

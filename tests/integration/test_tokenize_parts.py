@@ -189,8 +189,60 @@ def test_rerun_writes_nothing_and_settings_are_pinned(s3_client: Any, bucket: st
     summary = run_assignment(s3_client, forced)
     assert (summary["written"], summary["present"], summary["lost_race"]) == (0, PARTS, 0)
     assert _outputs(s3_client, bucket, dataset) == before
-    with pytest.raises(ConfigError, match="other settings.*max_length"):
-        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, max_length=8192))
+    with pytest.raises(ConfigError, match=r"tokenization 'default' .* other settings.*max_length.*Its files stay as "
+                                          r"they are.*tokenization='s-[0-9a-f]{8}' \(free: tokenized/s-[0-9a-f]{8}/\)"):
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, max_length=8192,
+                                                      tokenization="default"))
+    assert _outputs(s3_client, bucket, dataset) == before
+
+
+def test_other_settings_make_a_named_tokenization_beside_the_first(s3_client: Any, bucket: str,
+                                                                   dataset: DatasetLayout) -> None:
+    """Tokenizing again with other settings never touches the first tokenization: a name asked for (or, with
+    none, one derived from the settings) gets its own folder; the same name and settings resume; the card
+    lists both and says which one its configs are."""
+    def run(cfg: TokenizeConfig) -> dict[str, Any]:
+        planned = plan(s3_client, [dataset.uri], cfg)
+        for a in planned["assignments"]:
+            run_assignment(s3_client, a)
+        return write_report(s3_client, planned["datasets"][0])
+
+    first = run(TokenizeConfig(min_loss_tokens=1, workers=2))
+    assert first["tokenization"] == "default" and first["tokenized_prefix"] == dataset.tokenized_prefix
+    default_files = _objects(s3_client, bucket, dataset.tokenized_prefix)
+
+    last = run(TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    named = dataset.tokenized_as("last")
+    assert last["tokenization"] == "last" and last["tokenized_prefix"] == f"{dataset.root}/tokenized/last/"
+    old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
+    assert (first["rows_out"], last["rows_out"]) == (old_rows + 2 * new_rows, old_rows + new_rows)
+    assert _objects(s3_client, bucket, dataset.tokenized_prefix + "parquet/") == {
+        k: v for k, v in default_files.items() if k.startswith(dataset.tokenized_prefix + "parquet/")}  # untouched
+    rows = pa.concat_tables(pq.read_table(io.BytesIO(s3_client.get_object(
+        Bucket=bucket, Key=named.key(profile_keys("parquet", c)["rows"]))["Body"].read())) for c in range(PARTS))
+    assert set(rows.column("turn").to_pylist()) == {0, 1} and rows.num_rows == last["rows_out"]
+    settings = json.loads(s3_client.get_object(Bucket=bucket, Key=named.tokenized_settings_key)["Body"].read())
+    assert (settings["tokenization"], settings["tokenized_dir"], settings["train_turns"]) == ("last", "tokenized/last", "last")
+    card = s3_client.get_object(Bucket=bucket, Key=dataset.dataset_card_key)["Body"].read().decode()
+    assert "path: tokenized/last/parquet/part-*.parquet" in card and "## Tokenizations" in card
+    assert "| `default` | `tokenized/` |" in card and "| `last` | `tokenized/last/` |" in card
+    assert "This card's configs and paths are tokenization `last`" in card
+
+    # the same name and settings resume (nothing to do); other settings under that name are refused
+    again = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    assert again["datasets"][0]["already_done"] == PARTS and all(a["jobs"] == [] for a in again["assignments"])
+    with pytest.raises(ConfigError, match=r"tokenization 'last' .*other settings.*max_length.*tokenization='s-"):
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", max_length=128,
+                                                      tokenization="last"))
+    # no name: the tokenization made with these settings is found and resumed; new settings get a new name
+    found = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last"))
+    assert found["datasets"][0]["tokenization"] == "last" and found["datasets"][0]["already_done"] == PARTS
+    third = run(TokenizeConfig(min_loss_tokens=1, workers=2, max_length=128))
+    assert third["tokenization"].startswith("s-") and third["status"] == "complete"
+    listed = _objects(s3_client, bucket, dataset.tokenized_prefix)
+    assert len([k for k in listed if k.endswith("settings.json")]) == 3
+    with pytest.raises(ConfigError, match="name of a folder of the default tokenization"):
+        TokenizeConfig.from_params({"tokenization": "parquet"})
 
 
 def test_two_workers_racing_on_the_same_parts_write_each_once(s3_client: Any, bucket: str, dataset: DatasetLayout) -> None:
@@ -245,3 +297,36 @@ def test_tokenizer_from_s3_gives_the_same_shards(s3_client: Any, bucket: str, da
     assert local.equals(remote)
     settings = json.loads(s3_client.get_object(Bucket=bucket, Key=other.tokenized_settings_key)["Body"].read())
     assert settings["tokenizer"] == f"s3://{bucket}/models/qwen"
+
+
+def test_the_generate_runs_tokenizer_from_the_manifest_and_an_explicit_one_wins(
+        s3_client: Any, bucket: str, qwen_tokenizer: Path, tmp_path: Path) -> None:
+    """Without the tokenizer param, tokenize takes the one plan checked and recorded in the manifest (not the
+    report's); an explicit param wins and is what the settings record; a tokenizer file replaced since plan is
+    refused."""
+    from dflash_pipeline.dataset.tokenizer_source import check_tokenizer_spec
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        s3_client.put_object(Bucket=bucket, Key=f"models/gen/{name}", Body=(qwen_tokenizer / name).read_bytes())
+    layout = _write_dataset(s3_client, bucket, "ds/tok-manifest", str(qwen_tokenizer))
+    report = {"status": "passed", "completions": 1, "token_recount": {"tokenizer": "/nonexistent/report-tokenizer"}}
+    s3_client.put_object(Bucket=bucket, Key=layout.report_key, Body=json.dumps(report).encode())
+    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.manifest_key)["Body"].read())
+    manifest["tokenizer"] = check_tokenizer_spec(f"s3://{bucket}/models/gen", s3_client)
+    s3_client.put_object(Bucket=bucket, Key=layout.manifest_key, Body=json.dumps(manifest).encode())
+
+    planned = plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1))
+    assert planned["datasets"][0]["settings"]["tokenizer"] == f"s3://{bucket}/models/gen"
+    explicit = plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1, tokenizer=str(qwen_tokenizer),
+                                                            tokenization="explicit"))
+    assert explicit["datasets"][0]["settings"]["tokenizer"] == str(qwen_tokenizer)
+    doc = json.loads(s3_client.get_object(Bucket=bucket, Key=layout.tokenized_as("explicit").tokenized_settings_key)
+                     ["Body"].read())
+    assert doc["tokenizer"] == str(qwen_tokenizer) and doc["provenance"]["tokenizer"]["source"] == str(qwen_tokenizer)
+
+    other = json.loads((qwen_tokenizer / "tokenizer.json").read_text())
+    other["added_tokens"] = other["added_tokens"][:-1]
+    s3_client.put_object(Bucket=bucket, Key="models/gen/tokenizer.json", Body=json.dumps(other).encode())
+    with pytest.raises(ConfigError, match=rf"tokenizer 's3://{bucket}/models/gen' changed since the generate run was "
+                                          r"planned.*give the tokenizer param"):
+        plan(s3_client, [layout.uri], TokenizeConfig(min_loss_tokens=1, workers=1, tokenization="again"))

@@ -42,7 +42,7 @@ def test_tokenize_shape_prepare_mapped_tokenize_report(dagbag) -> None:
         param = dag.params.get_param(name)
         assert param.description and param.schema.get("type"), name
     assert dag.params.get_param("max_length").value == 4096
-    assert dag.params.get_param("profiles").value == ["parquet", "specforge", "speculators"]
+    assert dag.params.get_param("formats").value == ["parquet", "specforge"]
     assert dag.params.get_param("train_turns").schema["enum"] == ["all", "last"]
     for task in dag.tasks:
         assert task.retries >= 1, f"{task.task_id} has no retries"

@@ -35,3 +35,21 @@ def test_output_keys() -> None:
     assert lay.key(profile_keys("parquet", 7)["rows"]) == "ds/x/tokenized/parquet/part-000007.parquet"
     assert lay.key(profile_keys("specforge", 7)["conversations"]) == "ds/x/tokenized/specforge-conversations/part-000007.jsonl"
     assert lay.dataset_card_key == "ds/x/README.md"
+
+
+def test_named_tokenization_keys_and_names() -> None:
+    from dflash_pipeline.steps.tokenize.profiles import profile_keys
+
+    lay = DatasetLayout("b", "ds/x")
+    assert lay.tokenized_as("default") == lay and lay.tokenized_as(None).tokenized_prefix == "ds/x/tokenized/"
+    named = lay.tokenized_as("long-ctx")
+    assert named.tokenized_prefix == "ds/x/tokenized/long-ctx/" and named.tokenizations_prefix == "ds/x/tokenized/"
+    assert named.tokenized_stats_key(7) == "ds/x/tokenized/long-ctx/stats/part-000007.json"
+    assert named.tokenized_settings_key == "ds/x/tokenized/long-ctx/settings.json"
+    assert named.key(profile_keys("speculators", 7)["tokens"]) == "ds/x/tokenized/long-ctx/speculators/part-000007.jsonl"
+    assert named.key("manifest.json") == lay.manifest_key and named.dataset_card_key == lay.dataset_card_key
+    assert TokenizeConfig.from_params({"tokenization": "long-ctx"}).tokenization == "long-ctx"
+    for bad, msg in (("stats", "name of a folder"), ("speculators", "name of a folder"), ("Big Name", "lower-case"),
+                     ("../x", "lower-case")):
+        with pytest.raises(ConfigError, match=msg):
+            TokenizeConfig.from_params({"tokenization": bad})

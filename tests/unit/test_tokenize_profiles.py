@@ -165,13 +165,15 @@ def test_conversation_export_leaves_out_what_specforge_cannot_render_as_generate
 def test_profiles_param_refused_with_a_clear_message() -> None:
     cfg = TokenizeConfig.from_params({"profiles": ["speculators", "parquet"], "min_loss_tokens": 2})
     assert cfg.profiles == ("parquet", "speculators") and cfg.min_loss_tokens == 2
-    assert TokenizeConfig.from_params({}).profiles == ("parquet", "specforge", "speculators")
+    assert TokenizeConfig.from_params({"formats": ["speculators"]}).profiles == ("speculators",)
+    # the DAG's default: Parquet (exactness checks, datasets) and SpecForge's files (DFlash training)
+    assert TokenizeConfig.from_params({}).profiles == ("parquet", "specforge")
     for conf, msg in [({"profiles": ["nemo"]}, "is not one of"), ({"profiles": []}, "at least 1"),
                       ({"profiles": ["parquet", "parquet"]}, "unique"), ({"min_loss_tokens": -1}, "minimum of 0"),
                       ({"require_consecutive_loss_tokens": 1}, "not of type boolean"), ({"max_length": 8}, "minimum of 16")]:
         with pytest.raises(ConfigError, match=msg):
             TokenizeConfig.from_params(conf)
-    for name in ("profiles", "min_loss_tokens", "require_consecutive_loss_tokens", "max_length"):
+    for name in ("formats", "min_loss_tokens", "require_consecutive_loss_tokens", "max_length"):
         assert TOKENIZE_PARAM_SCHEMAS[name]["description"]
     with pytest.raises(ConfigError, match="profiles"):
         check_profiles(["parquet", "eagle"])

@@ -31,6 +31,7 @@ from dflash_pipeline.config.run import (
     short_server_labels,
 )
 from dflash_pipeline.config.tokenize import (
+    DEFAULT_FORMATS,
     DFLASH_MIN_LOSS_TOKENS,
     SECTION_TOKENIZE,
     TOKENIZE_ESSENTIAL_PARAMS,
@@ -44,7 +45,7 @@ __all__ = [
     "ADVANCED_PREFIX", "ESSENTIAL_PARAMS", "ESSENTIALS_SECTION", "EVAL_ESSENTIAL_PARAMS", "TOKENIZE_ESSENTIAL_PARAMS",
     "form_layout",
     "EVAL_PARAM_SCHEMAS", "Condition", "EvalConfig", "Group",
-    "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
+    "DEFAULT_FORMATS", "DFLASH_MIN_LOSS_TOKENS", "PARAM_SCHEMAS", "REQUIRED_PARAMS", "SECTION_DATA", "SECTION_RUN", "SECTION_SAMPLING",
     "SECTION_SERVERS", "SECTION_TOKENIZE", "SECTION_VALIDATION", "TOKENIZE_PARAM_SCHEMAS", "TOKENIZE_PROFILES",
     "TRAINER_PARAM_SCHEMAS", "ConfigError", "RunConfig", "Sampling", "TokenizeConfig", "short_server_labels",
 ]

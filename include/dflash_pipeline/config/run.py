@@ -393,9 +393,12 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "tokenizer": {
         "type": ["null", "string"],
         "default": None,
-        "description": "The training tokenizer, to recount tokens and compare with the servers' counts: a "
-        "local tokenizer.json or model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix "
-        "holding tokenizer.json (+ tokenizer_config.json with the chat template). Null = no recount.",
+        "description": "The training tokenizer: a Hugging Face id (Qwen/Qwen3-8B, or Qwen/Qwen3-8B@<revision>; "
+        "through the hub cache HF_HOME/HF_HUB_CACHE, cache only when HF_HUB_OFFLINE=1), a local tokenizer.json or "
+        "model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json + "
+        "tokenizer_config.json (the chat template). Checked at plan, before any request: loaded, its template "
+        "rendered with thinking on and off; recorded in the manifest (revision or ETag, sha256s). Validation "
+        "recounts tokens with it and the asset-triggered dflash_tokenize run uses it. Null = no recount.",
         "section": SECTION_VALIDATION,
     },
     "target_mix": target_mix_schema(SECTION_VALIDATION),

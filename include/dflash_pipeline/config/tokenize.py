@@ -8,7 +8,7 @@ from typing import Any
 from dflash_pipeline.config.mix import check_target_mix, target_mix_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
-from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset.layout import TOKENIZATION_NAME_RE, TOKENIZED_RESERVED, UriError, parse_s3_uri
 
 
 SECTION_TOKENIZE = "Tokenize"
@@ -25,9 +25,21 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "tokenizer": {
         "type": ["null", "string"],
         "default": None,
-        "description": "The training tokenizer: a local tokenizer.json or model directory, "
-        "s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ tokenizer_config.json "
-        "with the chat template). Null = the one validation recounted with (from the dataset's report).",
+        "description": "The training tokenizer: a Hugging Face id (through the hub cache), a local tokenizer.json "
+        "or model directory, s3://bucket/path/tokenizer.json, or an s3:// prefix holding tokenizer.json (+ "
+        "tokenizer_config.json with the chat template). Null = the generate run's (recorded in its manifest at "
+        "plan; a Hugging Face id at the snapshot plan checked), else the one validation recounted with.",
+        "section": SECTION_TOKENIZE,
+    },
+    "tokenization": {
+        "type": ["null", "string"],
+        "default": None,
+        "pattern": "^[a-z0-9][a-z0-9_-]{0,62}$",
+        "description": "Name of this tokenization of the dataset: 'default' writes directly under tokenized/, any "
+        "other name under tokenized/<name>/, beside the others (the dataset card lists them all). The same name "
+        "with the same settings resumes; with other settings it is refused (the message names a free name). "
+        "Null = the tokenization already made with these settings, else 'default' when free, else a new name "
+        "derived from the settings (s-<hash>).",
         "section": SECTION_TOKENIZE,
     },
     "train_turns": {
@@ -112,6 +124,9 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 # -- what the trainers read (issue 23): output profiles and DFlash-ready rows. One block; the sources of the
 # defaults are in steps/tokenize/dflash.py and docs/trainers.md.
 TOKENIZE_PROFILES = ("parquet", "specforge", "speculators")
+DEFAULT_FORMATS = ("parquet", "specforge")
+"""What a user needs by default: Parquet to check exactness (and load with datasets), SpecForge's files to train
+DFlash (docs/trainers.md, "Storage")."""
 DFLASH_MIN_LOSS_TOKENS = 2  # SpecForge 0.2.0's DFlash rule (dflash_min_loss_tokens); why: docs/quality.md "Tokenize gates"
 TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "max_length": {
@@ -123,16 +138,20 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "row is cut here, as SpecForge and speculators cut it, and flagged truncated_to_max_length.",
         "section": SECTION_TOKENIZE,
     },
-    "profiles": {
+    "formats": {
         "type": "array",
-        "default": list(TOKENIZE_PROFILES),
+        "default": list(DEFAULT_FORMATS),
         "minItems": 1,
         "uniqueItems": True,
         "items": {"type": "string", "enum": list(TOKENIZE_PROFILES)},
-        "description": "Files written per part, one folder per profile under tokenized/: 'parquet' (all columns, "
-        "loadable with datasets), 'specforge' (its pre-tokenized JSONL for data.prompts_path + a conversations "
-        "JSONL for data.train_data_path), 'speculators' (speculator-format JSONL for prepare-data). Each JSONL "
-        "profile costs about as much storage as the Parquet uncompressed.",
+        "description": "Trainer formats written per part, one folder each under the tokenization's folder. Storage "
+        "per 1 M completions rows, measured (bench/part_size_bench.py: ~2,160 generated + ~540 prompt tokens a row, "
+        "1.33 training rows a row, Qwen's BPE): 'parquet' 3.44 GiB (every column: ids, mask, ids_source and "
+        "ids_canonical to check exactness; datasets loads it), 'specforge' 27.7 GiB (16.4 pre-tokenized JSONL for "
+        "data.prompts_path + 11.3 conversations JSONL for data.train_data_path), 'speculators' 16.7 GiB "
+        "(speculators prepare-data). Default: parquet + specforge (check, and train DFlash with SpecForge); add "
+        "'speculators' for vLLM speculators. The completions themselves cost 7.61 GiB (4.05 without the engine's "
+        "prompt and output ids).",
         "section": SECTION_TOKENIZE,
     },
     "min_loss_tokens": {
@@ -200,6 +219,7 @@ class TokenizeConfig:
     workers: int = 4
     aws_conn_id: str = "aws_default"
     profiles: tuple[str, ...] = TOKENIZE_PROFILES
+    """The `formats` param (library callers that build the config get every format unless they say)."""
     min_loss_tokens: int = DFLASH_MIN_LOSS_TOKENS
     require_consecutive_loss_tokens: bool = True
     heldout_uri: str | None = None
@@ -208,10 +228,13 @@ class TokenizeConfig:
     quality: tuple[tuple[str, Any], ...] = ()
     """The ROW_QUALITY_PARAMS given (name, value); missing ones take their defaults."""
     target_mix: dict[str, dict[str, float]] | None = None
+    tokenization: str | None = None
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
         params = {k: v for k, v in dict(params).items()}
+        if "profiles" in params:  # the formats param's name before issue 33
+            params.setdefault("formats", params.pop("profiles"))
         unknown = sorted(set(params) - set(TOKENIZE_PARAM_SCHEMAS))
         if unknown:
             raise ConfigError(f"unknown conf key(s) {unknown}; valid keys are {sorted(TOKENIZE_PARAM_SCHEMAS)}")
@@ -228,7 +251,15 @@ class TokenizeConfig:
         values["target_mix"] = check_target_mix(params.get("target_mix"))
         values["tokenizer"] = values["tokenizer"] or None
         values["heldout_uri"] = values["heldout_uri"] or None
-        values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in values["profiles"])
+        values["tokenization"] = values["tokenization"] or None
+        if values["tokenization"] is not None and not TOKENIZATION_NAME_RE.match(values["tokenization"]):
+            raise ConfigError(f"tokenization {values['tokenization']!r}: use 1-63 lower-case letters, digits, '_' or "
+                              "'-', starting with a letter or digit")
+        if values["tokenization"] in TOKENIZED_RESERVED:
+            raise ConfigError(f"tokenization {values['tokenization']!r} is the name of a folder of the default "
+                              f"tokenization; not one of {sorted(TOKENIZED_RESERVED)}")
+        formats = values.pop("formats")
+        values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in formats)
         values["drop_quality"] = tuple(f for f in QUALITY_FLAG_NAMES if f in values["drop_quality"])
         quality = {n: values.pop(n) for n in ROW_QUALITY_PARAMS}
         values["quality"] = tuple((n, tuple(v) if isinstance(v, list) else v) for n, v in quality.items())

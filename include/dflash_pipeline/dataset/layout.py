@@ -8,13 +8,18 @@ docs/architecture.md (tests/integrity/test_readme.py keeps the docs to these key
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _SAFE_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._=\-]+$")
 _RUN_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._\-]")
 
 CHUNK_DIGITS = 6
+DEFAULT_TOKENIZATION = "default"
+"""The tokenization whose files sit directly under tokenized/ (the first one; the only one before names)."""
+TOKENIZED_RESERVED = frozenset({"parquet", "specforge", "specforge-conversations", "speculators", "stats"})
+"""Folders of the default tokenization under tokenized/: no named tokenization may take these names."""
+TOKENIZATION_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,62}$")
 
 
 class UriError(ValueError):
@@ -58,10 +63,21 @@ def safe_run_id(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class DatasetLayout:
-    """All keys of one dataset root. `root` has no trailing slash."""
+    """All keys of one dataset root. `root` has no trailing slash. `tokenization` names the tokenization the
+    tokenized_* keys belong to: None or "default" = directly under tokenized/, else tokenized/<name>/."""
 
     bucket: str
     root: str
+    tokenization: str | None = None
+
+    def tokenized_as(self, name: str | None) -> "DatasetLayout":
+        """This layout with the tokenized_* keys of tokenization `name`."""
+        return replace(self, tokenization=None if name in (None, DEFAULT_TOKENIZATION) else name)
+
+    @property
+    def tokenized_dir(self) -> str:
+        """The tokenization's folder relative to the root: tokenized, or tokenized/<name>."""
+        return "tokenized" if self.tokenization is None else f"tokenized/{self.tokenization}"
 
     @classmethod
     def from_uri(cls, output_uri: str) -> "DatasetLayout":
@@ -145,15 +161,23 @@ class DatasetLayout:
     # -- tokenize step (dflash_tokenize): one output part per completions part, same index --------
     @property
     def tokenized_prefix(self) -> str:
+        return self._k(f"{self.tokenized_dir}/")
+
+    @property
+    def tokenizations_prefix(self) -> str:
+        """Where every tokenization lives (the default's files, and one folder per named one)."""
         return self._k("tokenized/")
 
     def key(self, relative: str) -> str:
-        """The key of a path relative to the dataset root (the tokenize profiles' files)."""
+        """The key of a path relative to the dataset root (the tokenize profiles' files: a path under
+        tokenized/ goes to this layout's tokenization)."""
+        if relative.startswith("tokenized/"):
+            relative = f"{self.tokenized_dir}/{relative[len('tokenized/'):]}"
         return self._k(relative)
 
     @property
     def tokenized_stats_prefix(self) -> str:
-        return self._k("tokenized/stats/")
+        return self._k(f"{self.tokenized_dir}/stats/")
 
     def tokenized_stats_key(self, chunk: int) -> str:
         """The commit point of a tokenized part: written last (after every profile's file), If-None-Match."""
@@ -162,15 +186,15 @@ class DatasetLayout:
     @property
     def tokenized_settings_key(self) -> str:
         """The settings the shards were made with (pinned by the first run)."""
-        return self._k("tokenized/settings.json")
+        return self._k(f"{self.tokenized_dir}/settings.json")
 
     @property
     def tokenized_report_key(self) -> str:
-        return self._k("tokenized/report.json")
+        return self._k(f"{self.tokenized_dir}/report.json")
 
     @property
     def tokenized_report_md_key(self) -> str:
-        return self._k("tokenized/report.md")
+        return self._k(f"{self.tokenized_dir}/report.md")
 
     @property
     def dataset_card_key(self) -> str:

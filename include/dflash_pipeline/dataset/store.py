@@ -193,6 +193,20 @@ class Store:
                 return
             token = resp["NextContinuationToken"]
 
+    def folders(self, prefix: str) -> list[str]:
+        """Names of the folders directly under `prefix` (S3 common prefixes with delimiter '/'), sorted."""
+        token: str | None = None
+        out: list[str] = []
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix, "Delimiter": "/", "MaxKeys": 1000}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = self._call(self.client.list_objects_v2, **kwargs)
+            out += [p["Prefix"][len(prefix):].rstrip("/") for p in resp.get("CommonPrefixes", [])]
+            if not resp.get("IsTruncated"):
+                return sorted(out)
+            token = resp["NextContinuationToken"]
+
     # -- writes --------------------------------------------------------------------------------
     def put(
         self,

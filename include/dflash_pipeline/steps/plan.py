@@ -34,6 +34,7 @@ from dflash_pipeline.dataset.prompts import R_ID_CONFLICT, Prompt, PromptFileErr
 from dflash_pipeline.dataset.sources import InputFile, SourceError, copies, is_single_plain, parse_sources, resolve
 from dflash_pipeline.dataset.records import encode_inputs
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.dataset.tokenizer_source import TokenizerError, check_tokenizer_spec
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +363,19 @@ def plan_summary(manifest: dict[str, Any], layout: DatasetLayout, resumed: bool)
     }
 
 
+def check_run_tokenizer(client: Any, cfg: RunConfig) -> dict[str, Any] | None:
+    """The `tokenizer` param found, loaded and its chat template rendered (thinking on and off) before any
+    request is sent, so a wrong id or path fails the run here, not at validation hours later. Returns the
+    record the manifest keeps (`manifest["tokenizer"]`: source, kind, revision or ETag, sha256 of the
+    tokenizer file and template), which the asset-triggered tokenize run takes; None without the param."""
+    if not cfg.tokenizer:
+        return None
+    try:
+        return check_tokenizer_spec(cfg.tokenizer, client)
+    except TokenizerError as exc:
+        raise PlanError(f"{exc}. Nothing was sent to the servers.") from exc
+
+
 def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     """Plan the dataset root `cfg.output_uri` (or check and reuse an existing plan)."""
     layout = DatasetLayout.from_uri(cfg.output_uri)
@@ -377,11 +391,14 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
     except HeldoutError as exc:
         raise PlanError(str(exc)) from exc
     pins = pinned_settings(cfg, None, None, heldout_etag, files=files)
+    tokenizer = check_run_tokenizer(client, cfg)
 
     existing = load_manifest(out_store, layout)
     if existing is not None:
         manifest, _ = existing
         accepted = check_pins(manifest, pins, cfg)
+        if tokenizer is not None and manifest.get("tokenizer") != tokenizer:
+            manifest = update_manifest(out_store, layout, lambda m: m.update(tokenizer=tokenizer))
         if accepted:
             logger.warning("accept_pin_changes: continuing %s with changed settings: %s", layout.uri, accepted)
 
@@ -569,6 +586,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             "inputs_prefix": f"{layout.inputs_prefix}{plan_id}/",
         },
         "heldout": heldout_entry,
+        "tokenizer": tokenizer,
         "model_resolved": None,
         "runs": {},
     }

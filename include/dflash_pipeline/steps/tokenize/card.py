@@ -37,7 +37,12 @@ def _yaml_features() -> list[dict[str, str]]:
     return out
 
 
-def front_matter(profiles: Sequence[str]) -> dict[str, Any]:
+def _in_dir(path: str, tokenized_dir: str) -> str:
+    """A path under tokenized/ moved to the tokenization's folder (tokenized/<name>/ for a named one)."""
+    return tokenized_dir + path[len("tokenized"):] if path.startswith("tokenized/") else path
+
+
+def front_matter(profiles: Sequence[str], tokenized_dir: str = "tokenized") -> dict[str, Any]:
     """The card's YAML header: `datasets` configs (``data_files``) and the Parquet features.
 
     `datasets` 5.1 picks one builder for a whole folder (``load_dataset("<root>", "specforge")`` next to
@@ -48,7 +53,8 @@ def front_matter(profiles: Sequence[str]) -> dict[str, Any]:
     parquet = "parquet" in profiles
     for name, profile, kind, _ in _CONFIGS:
         if profile in profiles and (profile == "parquet") == parquet:
-            configs.append({"config_name": name, "data_files": [{"split": "train", "path": profile_globs(profile)[kind]}]})
+            configs.append({"config_name": name, "data_files": [
+                {"split": "train", "path": _in_dir(profile_globs(profile)[kind], tokenized_dir)}]})
     if configs:
         configs[0]["default"] = True
     meta: dict[str, Any] = {"configs": configs, "tags": ["speculative-decoding", "dflash", "eagle", "drafter-training"]}
@@ -83,7 +89,23 @@ def heldout_lines(split: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
-def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifest: Mapping[str, Any]) -> str:
+def tokenization_lines(current: str, tokenizations: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The card's table of every tokenization of the dataset (name, folder, what differs), this card's marked."""
+    lines = ["## Tokenizations", "",
+             f"This card's configs and paths are tokenization `{current}`. Every tokenization of this dataset, each "
+             "in its own folder with its `settings.json` and `report.md`:", "",
+             "| name | folder | tokenizer | max_length | train_turns | loss_on_reasoning | profiles | |",
+             "|---|---|---|---:|---|---|---|---|"]
+    for name, doc in sorted(tokenizations.items()):
+        folder = doc.get("tokenized_dir") or ("tokenized" if name == "default" else f"tokenized/{name}")
+        lines.append(f"| `{name}` | `{folder}/` | `{doc.get('tokenizer', 'n/a')}` | {_fmt(doc.get('max_length', 'n/a'))} "
+                     f"| {doc.get('train_turns', 'n/a')} | {doc.get('loss_on_reasoning', 'n/a')} | "
+                     f"{', '.join(doc.get('profiles') or [])} | {'this card' if name == current else ''} |")
+    return lines + [""]
+
+
+def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifest: Mapping[str, Any],
+                 tokenizations: Mapping[str, Mapping[str, Any]] | None = None) -> str:
     """README.md text for the dataset root.
 
     `report` is the tokenize report (``rows_in``, ``rows_out``, ``dropped_by_reason``, ``tokens``,
@@ -102,7 +124,9 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
     min_loss = settings.get("min_loss_tokens", "n/a")
     template = settings.get("specforge_template") or "qwen3.5"
     thinking = settings.get("enable_thinking", sampling.get("enable_thinking"))
-    head = yaml.safe_dump(front_matter(profiles), sort_keys=False, allow_unicode=True)
+    tokenized_dir = str(settings.get("tokenized_dir") or "tokenized")
+    current = str(settings.get("tokenization") or "default")
+    head = yaml.safe_dump(front_matter(profiles, tokenized_dir), sort_keys=False, allow_unicode=True)
 
     dropped = report.get("dropped_by_reason") or {}
     lines = [
@@ -200,7 +224,12 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         f"| plan | `{gen.get('plan_id', manifest.get('plan_id', 'n/a'))}` |",
         "",
     ]
-    return "\n".join(lines)
+    body = lines[3:]  # the paths of the text, under this tokenization's folder (the header is already)
+    if tokenized_dir != "tokenized":
+        body = [line.replace("tokenized/", f"{tokenized_dir}/") for line in body]
+    if tokenizations and (len(tokenizations) > 1 or current != "default"):
+        body += tokenization_lines(current, tokenizations)
+    return "\n".join(lines[:3] + body)
 
 
 def _sources(value: Any) -> str:

@@ -5,12 +5,14 @@ dataset root and the completions part's index; a part's outputs are written with
 in the order export JSONL → stats → tokenized Parquet, and the Parquet is the commit point. A worker
 skips a part whose Parquet exists (checked on S3 before the work), and a write that loses a race
 (412) means another worker wrote the same deterministic bytes: nothing to do. The settings are
-pinned in `tokenized/settings.json` by the first run, so a rerun cannot mix shards made with other
-settings. Memory holds one part and the next one being fetched, whatever the dataset's size.
+pinned in the tokenization's `settings.json` by its first run, so a rerun cannot mix shards made with
+other settings; other settings make another, named tokenization beside it (`tokenized/<name>/`, the
+first one, 'default', directly under `tokenized/`), never a rewrite. Memory holds one part and the next one being fetched, whatever the dataset's size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -23,7 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS, ConfigError, TokenizeConfig
-from dflash_pipeline.dataset.layout import DatasetLayout, chunk_of_key
+from dflash_pipeline.dataset.layout import DEFAULT_TOKENIZATION, TOKENIZED_RESERVED, DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 from dflash_pipeline.steps.tokenize.card import dataset_card
 from dflash_pipeline.dataset.heldout import HeldoutSplit
@@ -88,20 +90,33 @@ def load_tokenizer(client: Any, settings: TokenizeSettings) -> TrainingRowBuilde
         return builder
 
 
+def manifest_tokenizer(manifest: dict[str, Any]) -> str | None:
+    """The tokenizer the generate run was planned with (plan checked it and recorded it in the manifest), as
+    a spec that loads the same files: a Hugging Face id pinned to the snapshot's commit."""
+    rec = manifest.get("tokenizer") or {}
+    source = rec.get("source")
+    if not source:
+        return None
+    if rec.get("kind") == "huggingface" and rec.get("revision") and "@" not in source:
+        return f"{source}@{rec['revision']}"
+    return str(source)
+
+
 def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -> TokenizeSettings:
-    """The settings for one dataset: the params, the manifest's enable_thinking, and the tokenizer
-    validation used when the param is null."""
+    """The settings for one dataset: the params, the manifest's enable_thinking, and, when the tokenizer param
+    is null, the generate run's tokenizer (the manifest's record, else the one validation recounted with)."""
     manifest = _get_json(store, layout.manifest_key)
     if manifest is None:
         raise ConfigError(f"{layout.uri}/manifest.json does not exist: not a dflash_generate dataset")
     thinking = bool(manifest.get("pinned", {}).get("sampling", {}).get("enable_thinking", True))
-    tokenizer = cfg.tokenizer
+    tokenizer = cfg.tokenizer or manifest_tokenizer(manifest)
     if not tokenizer:
         report = _get_json(store, layout.report_key) or {}
         tokenizer = (report.get("token_recount") or {}).get("tokenizer")
         if not tokenizer:
-            raise ConfigError(f"{layout.uri}: validation did not recount with a tokenizer, so there is no default; "
-                              "give the tokenizer param (a tokenizer.json, model directory or s3:// prefix)")
+            raise ConfigError(f"{layout.uri}: the generate run had no tokenizer param (none in its manifest, no "
+                              "recount in its report), so there is no default; give the tokenizer param (a Hugging "
+                              "Face id, a tokenizer.json, a model directory or an s3:// prefix)")
     return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
                             loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
                             enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
@@ -112,29 +127,98 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
                             quality=cfg.quality_params())
 
 
-def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
-    """Write tokenized/settings.json once (the settings, plus provenance: the tokenizer file's and chat
-    template's sha256, the model and engines from the manifest, SpecForge's template name); a later run
-    must ask for the same settings with the same tokenizer file."""
-    manifest = _get_json(store, layout.manifest_key) or {}
-    doc = {**settings.to_dict(),
-           "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
-           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
-    body = json.dumps(doc, indent=1, sort_keys=True).encode()
-    if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
+def check_against_manifest(manifest: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
+    """The generate run's tokenizer, taken by default, must still be the file plan checked: a tokenizer.json
+    replaced since (same path or key, other bytes) would make ids the engine's counts were not made with."""
+    rec = manifest.get("tokenizer") or {}
+    if settings.tokenizer != manifest_tokenizer(manifest) or not rec.get("tokenizer_json_sha256"):
         return
-    pinned = _get_json(store, layout.tokenized_settings_key) or {}
-    differ = {}
+    now = builder.provenance.get("tokenizer_json_sha256")
+    if now != rec["tokenizer_json_sha256"]:
+        raise ConfigError(f"tokenizer {settings.tokenizer!r} changed since the generate run was planned (tokenizer.json "
+                          f"sha256 {rec['tokenizer_json_sha256'][:12]}… then, {str(now)[:12]}… now); give the "
+                          "tokenizer param to tokenize with this one")
+
+
+def _differ(pinned: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> dict[str, Any]:
+    """What a pinned settings.json and these settings (with this tokenizer file) disagree on; {} = the same."""
+    differ: dict[str, Any] = {}
     if TokenizeSettings.from_dict(pinned) != settings:
         differ = {k: (pinned.get(k), v) for k, v in settings.to_dict().items() if pinned.get(k) != v}
     sha = "tokenizer_json_sha256"
     was = ((pinned.get("provenance") or {}).get("tokenizer") or {}).get(sha)
     if was is not None and was != builder.provenance.get(sha):
         differ[sha] = (was, builder.provenance.get(sha))
+    return differ
+
+
+def existing_tokenizations(store: Store, layout: DatasetLayout) -> dict[str, dict[str, Any]]:
+    """{name: its pinned settings.json} of every tokenization of the dataset: 'default' (directly under
+    tokenized/) and each tokenized/<name>/ holding a settings.json."""
+    base = layout.tokenized_as(None)
+    out: dict[str, dict[str, Any]] = {}
+    doc = _get_json(store, base.tokenized_settings_key)
+    if doc is not None:
+        out[DEFAULT_TOKENIZATION] = doc
+    for name in with_retries(lambda: store.folders(base.tokenizations_prefix), what="list tokenizations"):
+        if name in TOKENIZED_RESERVED:
+            continue
+        doc = _get_json(store, base.tokenized_as(name).tokenized_settings_key)
+        if doc is not None:
+            out[name] = doc
+    return out
+
+
+def free_name(settings: TokenizeSettings, builder: TrainingRowBuilder, taken: set[str]) -> str:
+    """A name for a new tokenization with these settings: s-<8 hex of their sha256> (-2, -3... if taken)."""
+    blob = json.dumps({**settings.to_dict(), "tokenizer_json_sha256": builder.provenance.get("tokenizer_json_sha256")},
+                      sort_keys=True)
+    name = "s-" + hashlib.sha256(blob.encode()).hexdigest()[:8]
+    n, candidate = 2, name
+    while candidate in taken:
+        candidate, n = f"{name}-{n}", n + 1
+    return candidate
+
+
+def choose_tokenization(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder,
+                        requested: str | None) -> str:
+    """The tokenization this run writes: the name asked for; else the one already made with these settings
+    (resumed), else 'default' when free, else a new name (`free_name`). Never rewrites another's files."""
+    if requested is not None:
+        return requested
+    existing = existing_tokenizations(store, layout)
+    for name, doc in existing.items():
+        if not _differ(doc, settings, builder):
+            return name
+    if DEFAULT_TOKENIZATION not in existing:
+        return DEFAULT_TOKENIZATION
+    name = free_name(settings, builder, set(existing))
+    logger.info("%s: tokenized/ holds %s made with other settings; this tokenization is %r (tokenized/%s/)",
+                layout.uri, sorted(existing), name, name)
+    return name
+
+
+def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
+    """Write the tokenization's settings.json once (the settings, its name, plus provenance: the tokenizer
+    file's and chat template's sha256, the model and engines from the manifest, SpecForge's template name); a
+    later run of the same tokenization must ask for the same settings with the same tokenizer file, and is
+    refused otherwise with a free name to write a new tokenization beside it."""
+    manifest = _get_json(store, layout.manifest_key) or {}
+    name = layout.tokenization or DEFAULT_TOKENIZATION
+    doc = {**settings.to_dict(), "tokenization": name, "tokenized_dir": layout.tokenized_dir,
+           "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
+           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
+    body = json.dumps(doc, indent=1, sort_keys=True).encode()
+    if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
+        return
+    differ = _differ(_get_json(store, layout.tokenized_settings_key) or {}, settings, builder)
     if differ:
+        free = free_name(settings, builder, set(existing_tokenizations(store, layout)))
         raise ConfigError(
-            f"{layout.uri}/tokenized/ was made with other settings (pinned, asked): {differ}. Ask for the pinned "
-            f"settings, or delete s3://{layout.bucket}/{layout.tokenized_prefix} to tokenize again"
+            f"tokenization {name!r} of {layout.uri} ({layout.tokenized_dir}/) was made with other settings (pinned, "
+            f"asked): {differ}. Its files stay as they are: ask for its settings to resume it, or give another "
+            f"tokenization name to write a new one beside it, e.g. tokenization={free!r} (free: "
+            f"{layout.tokenized_as(free).tokenized_dir}/)"
         )
 
 
@@ -153,7 +237,10 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
         store = Store(client, layout.bucket)
         settings = resolve_settings(store, layout, cfg)
         ct = load_tokenizer(client, settings)  # fail here, before any worker, on a bad tokenizer/template
+        check_against_manifest(_get_json(store, layout.manifest_key) or {}, settings, ct)
         load_heldout(client, layout, _get_json(store, layout.manifest_key), settings.heldout_uri)  # and a bad split
+        name = choose_tokenization(store, layout, settings, ct, cfg.tokenization)
+        layout = layout.tokenized_as(name)
         pin_settings(store, layout, settings, ct)
         parts = list_parts(store, layout.completions_prefix)
         done = set(list_parts(store, layout.tokenized_stats_prefix))
@@ -167,9 +254,10 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
             slot += 1
         for w, chunk_list in enumerate(jobs):
             if chunk_list:
-                per_worker[w].append({"output_uri": layout.uri, "parts": chunk_list, "settings": settings.to_dict()})
-        datasets.append({"output_uri": layout.uri, "parts": len(parts), "already_done": len(parts) - len(todo),
-                         "settings": settings.to_dict()})
+                per_worker[w].append({"output_uri": layout.uri, "tokenization": name, "parts": chunk_list,
+                                      "settings": settings.to_dict()})
+        datasets.append({"output_uri": layout.uri, "tokenization": name, "parts": len(parts),
+                         "already_done": len(parts) - len(todo), "settings": settings.to_dict()})
     return {
         "assignments": [{"worker": w, "jobs": jobs} for w, jobs in enumerate(per_worker)],
         "datasets": datasets,
@@ -215,7 +303,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {"worker": assignment.get("worker"), "written": 0, "present": 0, "lost_race": 0,
                                "rows": 0, "tokens": 0}
     for job in assignment.get("jobs", []):
-        layout = DatasetLayout.from_uri(job["output_uri"])
+        layout = DatasetLayout.from_uri(job["output_uri"]).tokenized_as(job.get("tokenization"))
         store = Store(client, layout.bucket)
         settings = TokenizeSettings.from_dict(job["settings"])
         ct = load_tokenizer(client, settings)
@@ -263,7 +351,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
                  ) -> dict[str, Any]:
     """Sum the parts' stats; check every completions part has its tokenized part. The mix of the
     completions kept is set against validation's (before filters) and `target_mix`."""
-    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    layout = DatasetLayout.from_uri(dataset["output_uri"]).tokenized_as(dataset.get("tokenization"))
     store = Store(client, layout.bucket)
     parts = list_parts(store, layout.completions_prefix)
     done = set(list_parts(store, layout.tokenized_stats_prefix))
@@ -307,6 +395,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     report: dict[str, Any] = {
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
+        "tokenization": layout.tokenization or DEFAULT_TOKENIZATION,
         "status": "complete" if not missing and not missing_stats else "incomplete",
         "settings": dataset.get("settings"),
         "provenance": pinned.get("provenance"),
@@ -369,7 +458,7 @@ def report_markdown(r: dict[str, Any]) -> str:
     s = r.get("settings") or {}
     src = r.get("ids_source") or {}
     lines = [
-        f"# tokenized: {r['output_uri']}", "",
+        f"# tokenized: {r['output_uri']} (tokenization `{r.get('tokenization', 'default')}`)", "",
         f"Status **{r['status']}**: {r['parts_tokenized']} of {r['parts']} parts. Tokenizer `{s.get('tokenizer')}`, "
         f"max_length {s.get('max_length')}, train_turns `{s.get('train_turns')}`, loss_on_reasoning "
         f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}, train_eot_newline "
@@ -432,7 +521,7 @@ def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = D
         report["gate"] = gate(report, min_kept_share)
         if not report["gate"]["passed"]:
             report["status"] = STATUS_GATE_FAILED
-    layout = DatasetLayout.from_uri(dataset["output_uri"])
+    layout = DatasetLayout.from_uri(dataset["output_uri"]).tokenized_as(dataset.get("tokenization"))
     store = Store(client, layout.bucket)
     with_retries(lambda: store.put(layout.tokenized_report_key, json.dumps(report, indent=1).encode(),
                                    content_type="application/json"), what="write tokenized report")
@@ -450,7 +539,7 @@ def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = D
         )
     pinned = _get_json(store, layout.tokenized_settings_key) or dataset.get("settings") or {}
     manifest = _get_json(store, layout.manifest_key) or {}
-    card = dataset_card(report, pinned, manifest)
+    card = dataset_card(report, pinned, manifest, tokenizations=existing_tokenizations(store, layout))
     with_retries(lambda: store.put(layout.dataset_card_key, card.encode(), content_type="text/markdown"),
                  what="write the dataset card")
     return report

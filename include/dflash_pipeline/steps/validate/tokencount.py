@@ -15,8 +15,8 @@ span is not found in the rendered conversation are encoded alone (the previous m
 `Recounter.recount_separately`). The encoding runs in Rust on all cores (`encode_batch`); the
 Python side per row is a render and a few binary searches.
 
-The tokenizer is a `tokenizer.json` (local file, model directory, `s3://…/tokenizer.json` or an S3
-prefix holding it). The chat template comes from `chat_template.jinja` or
+The tokenizer is a `tokenizer.json` (local file, model directory, `s3://…/tokenizer.json`, an S3
+prefix holding it, or a Hugging Face id through the hub cache: dataset/tokenizer_source.py). The chat template comes from `chat_template.jinja` or
 `tokenizer_config.json`'s `chat_template` next to it; without one, `FALLBACK_CHAT_TEMPLATE`
 (ChatML with Qwen3's `<think>` block) is used and the report says so.
 """
@@ -24,19 +24,19 @@ prefix holding it). The chat template comes from `chat_template.jinja` or
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dflash_pipeline.config import ConfigError
-from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
+from dflash_pipeline.dataset import tokenizer_source
+from dflash_pipeline.dataset.tokenizer_source import TokenizerError, TokenizerFiles, jinja_env
 
 logger = logging.getLogger(__name__)
 
@@ -59,105 +59,15 @@ FALLBACK_CHAT_TEMPLATE = (
 """ChatML as Qwen2/Qwen3 render it, with the reasoning in `<think>\\n…\\n</think>\\n\\n` before the answer."""
 
 
-@dataclass
-class TokenizerFiles:
-    """Where a tokenizer came from and what was found next to it."""
-
-    spec: str
-    tokenizer_json: Path
-    config: dict[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None
-    template_source: str = "fallback"
+_jinja_env = jinja_env
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def fetch_tokenizer(spec: str, s3_get: Callable[[str, str], Any], workdir: Path) -> TokenizerFiles:
+    """`tokenizer_source.fetch_tokenizer`, its failures as ConfigError (a run's configuration is wrong)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"tokenizer: cannot read {path.name}: {exc}") from exc
-    return data if isinstance(data, dict) else {}
-
-
-def _pick_template(config: dict[str, Any], jinja_file: Path | None) -> tuple[str | None, str]:
-    if jinja_file is not None and jinja_file.is_file():
-        return jinja_file.read_text(), "chat_template.jinja"
-    tpl = config.get("chat_template")
-    if isinstance(tpl, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-        tpl = named.get("default") or next(iter(named.values()), None)
-    if isinstance(tpl, str) and tpl.strip():
-        return tpl, "tokenizer_config.json"
-    return None, "fallback"
-
-
-def _local_files(spec: str) -> TokenizerFiles:
-    p = Path(spec).expanduser()
-    if p.is_dir():
-        folder, tj = p, p / "tokenizer.json"
-    else:
-        folder, tj = p.parent, p
-    if not tj.is_file():
-        raise ConfigError(f"tokenizer {spec!r}: {tj} does not exist (give a tokenizer.json or a model directory)")
-    cfg_path = folder / "tokenizer_config.json"
-    config = _read_config(cfg_path) if cfg_path.is_file() else {}
-    template, source = _pick_template(config, folder / "chat_template.jinja")
-    return TokenizerFiles(spec, tj, config, template, source)
-
-
-def fetch_tokenizer(spec: str, s3_get: Callable[[str, str], bytes | None], workdir: Path) -> TokenizerFiles:
-    """Resolve `spec` to local files; `s3_get(bucket, key)` returns the bytes or None if absent."""
-    if not spec.startswith("s3://"):
-        return _local_files(spec)
-    try:
-        uri = parse_s3_uri(spec, what="tokenizer")
-    except UriError as exc:
+        return tokenizer_source.fetch_tokenizer(spec, s3_get, workdir)
+    except TokenizerError as exc:
         raise ConfigError(str(exc)) from exc
-    if uri.key.endswith(".json"):
-        tj_key = uri.key
-        prefix = uri.key.rsplit("/", 1)[0] if "/" in uri.key else ""
-    else:
-        prefix = uri.key
-        tj_key = f"{prefix}/tokenizer.json"
-
-    def key(name: str) -> str:
-        return f"{prefix}/{name}" if prefix else name
-
-    data = s3_get(uri.bucket, tj_key)
-    if data is None:
-        raise ConfigError(f"tokenizer {spec!r}: s3://{uri.bucket}/{tj_key} does not exist")
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "tokenizer.json").write_bytes(data)
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        extra = s3_get(uri.bucket, key(name))
-        if extra is not None:
-            (workdir / name).write_bytes(extra)
-    files = _local_files(str(workdir))
-    files.spec = spec
-    return files
-
-
-def _jinja_env() -> Any:
-    """A sandboxed environment configured like the one Hugging Face renders chat templates with."""
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        from datetime import datetime
-
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
 
 
 def _token_text(value: Any) -> str | None:
