@@ -90,6 +90,8 @@ def dataset_shapes() -> set[str]:
         sig = inspect.signature(profiles.profile_keys)
         extra = {p: f"P{p}" for p in sig.parameters if p not in ("profile", "chunk")}
         keys.update(profiles.profile_keys(profile, 0, **extra).values())
+    # A named tokenization (the `tokenization` param) writes the same files under tokenized/<name>/.
+    keys |= {"tokenized/Pname/" + k[len("tokenized/"):] for k in list(keys) if k.startswith("tokenized/")}
     shapes = {re.sub(r"\d{6}", SLOT, _shape(k)) for k in keys}
     # run_key(run_id, name): a run's own files, any name (the eval and progress files live there).
     return {s[: -len(SLOT)] + "**" if s.startswith(f"runs/{SLOT}/") and s.endswith(f"/{SLOT}") else s
@@ -192,7 +194,8 @@ def check_text(name: str, text: str, truth: Truth, *, strict_repo_paths: bool) -
                 problems.add(name, f"layout lists `{line.split()[0]}`, which the code does not write")
         listed = {_shape(line.split()[0]) for line in block.group(1).splitlines() if line.strip()}
         for shape in sorted(truth.dataset_shapes):
-            if shape not in listed and not shape.startswith(TRANSIENT) and not shape.endswith(("/", "**")):
+            covered = any(f.endswith("/") and shape.startswith(f) for f in listed)  # a folder line: all of it
+            if shape not in listed and not covered and not shape.startswith(TRANSIENT) and not shape.endswith(("/", "**")):
                 problems.add(name, f"the layout block lacks `{shape}` (the code writes it)")
     for token in re.findall(r"`([^`\s]+)`", text):
         if _looks_like_dataset_path(token, truth) and not check_dataset_path(token, truth):
@@ -238,7 +241,7 @@ def test_readme_is_for_users() -> None:
 def test_the_code_keys_are_read(truth: Truth) -> None:
     """The truth is not empty: a broken reader would let every name pass."""
     assert {"prompts_uri", "servers", "max_tokens"} <= truth.params["dflash_generate"]
-    assert {"max_length", "profiles"} <= truth.params["dflash_tokenize"]
+    assert {"max_length", "formats"} <= truth.params["dflash_tokenize"]
     assert f"completions/part-{SLOT}.parquet" in truth.dataset_shapes
     assert f"tokenized/specforge/part-{SLOT}.jsonl" in truth.dataset_shapes
     assert f"runs/{SLOT}/progress/{SLOT}.json" in truth.dataset_shapes

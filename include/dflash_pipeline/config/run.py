@@ -421,7 +421,8 @@ ADVANCED_SECTION = "Advanced"  # a non-essential param without a section of its 
 # What a user sets for a run (the rest has safe defaults); in the order the form shows them.
 ESSENTIAL_PARAMS: tuple[str, ...] = (
     "prompts_uri", "output_uri", "servers", "model", "tokenizer",
-    "max_tokens", "temperature", "top_p", "enable_thinking", "samples_per_prompt", "regenerate", "limit",
+    "max_tokens", "temperature", "top_p", "enable_thinking", "thinking_fraction", "samples_per_prompt",
+    "regenerate", "limit",
 )
 
 

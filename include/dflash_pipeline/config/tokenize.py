@@ -177,7 +177,7 @@ TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
 TOKENIZE_PARAM_SCHEMAS["target_mix"] = target_mix_schema(SECTION_TOKENIZE)  # the mix report's target (report only)
 
 # The trigger form's essentials (config.run.form_layout puts them first; the rest is "Advanced: ...").
-TOKENIZE_ESSENTIAL_PARAMS: tuple[str, ...] = ("output_uri", "tokenizer", "max_length", "profiles")
+TOKENIZE_ESSENTIAL_PARAMS: tuple[str, ...] = ("output_uri", "tokenizer", "max_length", "formats", "tokenization")
 # -- quality filtering and gates (issue 32; steps/tokenize/gates.py, steps/tokenize/qualityfilter.py) --------
 QUALITY_FLAG_NAMES = ("loop_reasoning", "loop_answer", "truncated_thinking", "empty_answer", "refusal",
                       "near_duplicate", "language")
