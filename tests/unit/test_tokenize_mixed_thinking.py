@@ -160,3 +160,29 @@ def test_sampling_label_is_null_safe_on_old_parts(templates: dict[str, Path]) ->
     labelled = with_labels(out, labels_by_unit(old, True), True)
     assert labelled.schema.field("sampling").type == pa.string()
     assert labelled.column("sampling").null_count == labelled.num_rows
+
+
+def test_validation_recounts_each_row_in_its_own_mode(qwen_tokenizer: Path, tmp_path: Path) -> None:
+    """Validator (steps/validate/checks.py) on a mixed part of a thinking-on dataset: no count mismatches, and the
+    training tokens are those of each row's conversation rendered in its own mode."""
+    from dflash_pipeline.steps.validate.checks import Validator
+
+    path = copy_with_template(tmp_path / "mode", MODE_IN_TURNS, source=qwen_tokenizer)
+    rec = load_recounter(str(path), _no_s3, enable_thinking=True)
+    rows = _mixed_rows(SimTokenModel(path), with_ids=True, pinned=True)
+    for row in rows:
+        row.update(server="s", latency_s=0.1)
+    v = Validator(True, rec)
+    v.add_chunk([r["id"] for r in rows], _table(rows))
+    rc = v.t.recount
+    assert rc is not None and rc.rows == 5 and rc.compared == 5 and rc.mismatches == 0, rc
+    want = 0
+    for row in rows:
+        mode = True if row["thinking"] is None else row["thinking"]
+        last = row["conversation"][-1]
+        turn = {"role": "assistant", "content": last["content"],
+                **({"reasoning_content": last["reasoning"]} if last["reasoning"] else {})}
+        text = rec.render_messages([*row["messages"], turn], enable_thinking=mode)
+        want += len(rec.tokenizer.encode(text, add_special_tokens=False).ids)
+    assert rc.training.total == want
+    v.close()
