@@ -75,6 +75,6 @@ def test_a_mixed_run_tokenizes_every_row_in_its_own_mode(s3_client: Any, bucket:
             prompt = tok.decode(row["input_ids"][: row["loss_mask"].index(1)], skip_special_tokens=False)
             assert prompt.endswith(EMPTY_BLOCK) is (not r["thinking"]), (row["key"], r["thinking"])
             if r["output_token_ids"] is not None:
-                assert row["input_ids"][: len(prompt and r["prompt_token_ids"][0])] == r["prompt_token_ids"][0]
+                assert row["input_ids"][: len(r["prompt_token_ids"][0])] == r["prompt_token_ids"][0]
             seen[row["ids_source"]] += 1
     assert seen["engine"] and seen["retokenized"] and sum(seen.values()) == n
