@@ -171,6 +171,9 @@ def test_parts_report_and_export(s3_client: Any, bucket: str, dataset: DatasetLa
     assert card.startswith("---\nconfigs:") and "tokenizer.json sha256" in card
     settings = json.loads(s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_settings_key)["Body"].read())
     assert settings["provenance"]["tokenizer"]["tokenizer_json_sha256"] and settings["specforge_template"] == "qwen3-thinking"
+    # a mixed run's thinking-off rows take SpecForge's thinking-off template (docs/tokenize.md)
+    assert settings["specforge_templates"] == report["specforge_templates"] == {"on": "qwen3-thinking",
+                                                                                "off": "qwen3-instruct"}
     assert report["provenance"] == settings["provenance"] and settings["provenance"]["tokenizer"]["tokenizer_json_sha256"] in card
     md = s3_client.get_object(Bucket=bucket, Key=dataset.tokenized_report_md_key)["Body"].read().decode()
     assert f"| total tokens | {report['tokens']:,} |" in md

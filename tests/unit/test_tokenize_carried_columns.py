@@ -41,7 +41,10 @@ def _labelled(row: dict[str, Any]) -> dict[str, Any]:
         turn.update(spec_verify_steps=5 + k, spec_accepted_tokens=7, spec_draft_tokens=15,
                     spec_accept_histogram=[1, 2, 2 + k])
     out.update(spec_verify_steps=11, spec_accepted_tokens=14, spec_draft_tokens=30, spec_accept_histogram=[2, 4, 5],
-               acceptance_length=1 + 14 / 11, source="bench", domain="math", metadata='{"k": 1}', thinking=False)
+               acceptance_length=1 + 14 / 11, source="bench", domain="math", metadata='{"k": 1}',
+               sampling='{"max_tokens": 64, "temperature": 0.6}',
+               thinking=True)  # the mode it was generated in: a row's own mode decides how it is rendered
+
     return out
 
 
@@ -63,6 +66,7 @@ def test_spec_columns_and_labels_never_change_input_ids_or_loss_mask(qwen_tokeni
     assert labelled.column("spec_verify_steps").to_pylist() == [5, 6] * 3
     assert plain.column("spec_verify_steps").to_pylist() == [None] * 6
     assert set(labelled.column("domain").to_pylist()) == {"math"}
+    assert set(labelled.column("sampling").to_pylist()) == {'{"max_tokens": 64, "temperature": 0.6}'}
 
 
 def test_heldout_rows_are_gone_before_rows_are_built(qwen_tokenizer: Path) -> None:

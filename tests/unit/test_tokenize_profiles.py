@@ -120,7 +120,7 @@ def test_profile_files_layout_and_contents() -> None:
     sf = json.loads(out.files["tokenized/specforge/part-000007.jsonl"])
     # the row's labels ride along ("" for none: datasets' json builder fixes a column's type from its first file)
     assert sf == {"id": "p#sample=1#turn=1", "input_ids": [100, 101, 102], "loss_mask": [0, 1, 1],
-                  "source": "", "domain": "", "thinking": True, "metadata": ""}
+                  "source": "", "domain": "", "thinking": True, "metadata": "", "sampling": ""}
     sp = json.loads(out.files["tokenized/speculators/part-000007.jsonl"])
     assert (sp["id"], sp["primary_id"], sp["input_ids"], sp["loss_mask"]) == ("p#sample=1#turn=1", "p#sample=1", [100, 101, 102], [0, 1, 1])
     assert sp["metadata"]["finish_reason"] == "stop" and sp["metadata"]["turn"] == 1

@@ -180,8 +180,9 @@ def dataset_card(report: Mapping[str, Any], settings: Mapping[str, Any], manifes
         "(`engine`: the engine's own ids; `retokenized`: re-encoded text, checked), `ids_canonical` (the generated "
         "ids are the canonical encoding of their text, so a trainer re-tokenizing the text gets them back), "
         "`source`, `domain` (the input row's, null if none), `metadata` (the input row's metadata object and "
-        "extra keys, JSON-encoded; null if none), `thinking` (the thinking mode the row was generated with). "
-        "The JSONL files carry the same four (`\"\"` for none); speculators' inside its `metadata`.", "",
+        "extra keys, JSON-encoded; null if none), `thinking` (the thinking mode the row was generated with), "
+        "`sampling` (the sampling fields its request carried, JSON; null on rows from before the column). "
+        "The JSONL files carry the same five (`\"\"` for none); speculators' inside its `metadata`.", "",
         "## Train a drafter on it", "",
         "```python",
         "from datasets import load_dataset",

@@ -188,7 +188,8 @@ class _Plan:
 
 
 class TrainingRowBuilder:
-    """Builds training rows with one tokenizer and chat template (the recount's loader and renderer)."""
+    """Builds training rows with one tokenizer and chat template (the recount's loader and renderer), each
+    row's texts rendered in its own thinking mode (`thinking_of`)."""
 
     def __init__(self, recounter: Recounter, settings: TokenizeSettings) -> None:
         self.rec = recounter
@@ -205,9 +206,8 @@ class TrainingRowBuilder:
         self.after_eot_ids = np.asarray(self._encode([self.after_eot])[0] if self.after_eot else [], dtype=np.int32)
         close = self.tokenizer.token_to_id(THINK_CLOSE)
         self.think_close_id = None if close is None else int(close)
-        probe = [{"role": "user", "content": "probe question"}]
-        self.generation_prompt = recounter.render_messages(probe, add_generation_prompt=True)[
-            len(recounter.render_messages(probe)):]
+        self.generation_prompt = self.generation_prompt_for(settings.enable_thinking)
+        """The generation prompt in the dataset's pinned mode (rows may differ: `thinking_of`)."""
         self.provenance: dict[str, Any] = {}
         """The tokenizer file's and template's hashes (set by the loader, which has the files)."""
 
@@ -217,8 +217,21 @@ class TrainingRowBuilder:
         return [e.ids for e in self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     # -- texts -------------------------------------------------------------------------------------
+    def thinking_of(self, turn: TurnSource) -> bool:
+        """The mode `turn` was generated in: its row's `thinking`, else the dataset's pinned flag. A run may mix
+        modes per row, and the template renders each mode's generation prompt differently (Qwen3's
+        thinking-off prompt ends in an empty think block), so every text is rendered in the row's mode."""
+        return self.settings.enable_thinking if turn.thinking is None else bool(turn.thinking)
+
+    def generation_prompt_for(self, thinking: bool) -> str:
+        """What the template appends for `add_generation_prompt` in mode `thinking`."""
+        probe = [{"role": "user", "content": "probe question"}]
+        return self.rec.render_messages(probe, add_generation_prompt=True, enable_thinking=thinking)[
+            len(self.rec.render_messages(probe, enable_thinking=thinking)):]
+
     def prompt_text(self, turn: TurnSource) -> str:
-        return self.rec.render_messages([dict(m) for m in turn.context], add_generation_prompt=True)
+        return self.rec.render_messages([dict(m) for m in turn.context], add_generation_prompt=True,
+                                        enable_thinking=self.thinking_of(turn))
 
     def generated_texts(self, turn: TurnSource, prompt: str) -> tuple[str, ...]:
         """What the model wrote after `prompt`, as the template writes the turn; empty when the template's
@@ -230,7 +243,7 @@ class TrainingRowBuilder:
         msg: dict[str, Any] = {"role": "assistant", "content": turn.content}
         if turn.reasoning:
             msg["reasoning_content"] = turn.reasoning
-        full = self.rec.render_messages([*(dict(m) for m in turn.context), msg])
+        full = self.rec.render_messages([*(dict(m) for m in turn.context), msg], enable_thinking=self.thinking_of(turn))
         if not full.startswith(prompt):
             return ()
         text = full[len(prompt):]

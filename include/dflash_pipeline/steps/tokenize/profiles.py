@@ -52,7 +52,7 @@ PROFILES = TOKENIZE_PROFILES
 TRAINING_ROW_SCHEMA = pa.schema([*TOKENIZED_SCHEMA, *LABEL_FIELDS])
 """The training rows the tokenizer produces per completions part (one row per trained assistant turn;
 exact.py says what each column is), with the input row's labels (rowlabels.py: source, domain, metadata,
-thinking)."""
+thinking, sampling)."""
 
 _HF_DTYPES = {"bool": "bool", "double": "float64"}  # pyarrow's names where `datasets` spells them differently
 
@@ -210,7 +210,8 @@ def _conversation_problem(conv: Sequence[Mapping[str, Any]], thinking: bool) -> 
     The rules are those of SpecForge's scripts/conversation_validation.py ``validate_conversation`` (every
     message's content a non-empty string; system messages only before the first user; then user and
     assistant alternate) plus what expand_reasoning_conversations.py demands of the turn it trains
-    (an assistant turn last, with a non-empty ``reasoning_content`` when the data has thinking)."""
+    (an assistant turn last, with a non-empty ``reasoning_content`` when the row was generated with thinking:
+    `thinking` is the row's own mode, a run may mix them)."""
     if not conv:
         return SKIP_NO_CONVERSATION
     expected, saw_user = "user", False
@@ -242,7 +243,8 @@ def specforge_conversations_jsonl(
     reasoning. Left out, counted by reason: rows that stopped at ``length`` (re-rendering appends closers
     the model never produced, and a cut inside the thinking has no answer), rows the validator above
     refuses, and rows whose engine ids are not the canonical encoding of their text (when the table has a
-    boolean ``ids_canonical`` column) since SpecForge re-tokenizes text."""
+    boolean ``ids_canonical`` column) since SpecForge re-tokenizes text. Each row is judged in its own thinking
+    mode (its ``thinking`` label); `thinking` (the dataset's pinned mode) stands for a row whose label is null."""
     _check_table(table)
     if len(conversations) != table.num_rows:
         raise ValueError(f"{len(conversations)} conversations for {table.num_rows} training rows")
@@ -258,7 +260,7 @@ def specforge_conversations_jsonl(
     lines = []
     for i, conv in enumerate(conversations):
         conv = list(conv or [])
-        problem = SKIP_LENGTH if finish[i] == "length" else _conversation_problem(conv, thinking)
+        problem = SKIP_LENGTH if finish[i] == "length" else _conversation_problem(conv, labels[i]["thinking"])
         if problem is None and canonical is not None and canonical[i] is False:
             problem = SKIP_NOT_CANONICAL
         if problem is not None:

@@ -207,7 +207,10 @@ def pin_settings(store: Store, layout: DatasetLayout, settings: TokenizeSettings
     name = layout.tokenization or DEFAULT_TOKENIZATION
     doc = {**settings.to_dict(), "tokenization": name, "tokenized_dir": layout.tokenized_dir,
            "provenance": {"tokenizer": builder.provenance, "generation": manifest_provenance(manifest)},
-           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking)}
+           "specforge_template": specforge_template_name(builder.generation_prompt, settings.enable_thinking),
+           # A run may mix modes per row (each row's `thinking` label); SpecForge takes one template per run.
+           "specforge_templates": {mode: specforge_template_name(builder.generation_prompt_for(on), on)
+                                   for mode, on in (("on", True), ("off", False))}}
     body = json.dumps(doc, indent=1, sort_keys=True).encode()
     if _put_once(store, layout.tokenized_settings_key, body, "application/json"):
         return
@@ -400,6 +403,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         "settings": dataset.get("settings"),
         "provenance": pinned.get("provenance"),
         "specforge_template": pinned.get("specforge_template"),
+        "specforge_templates": pinned.get("specforge_templates"),
         "parts": len(parts),
         "parts_tokenized": len(parts) - len(missing),
         "missing_parts": missing[:100],

@@ -45,6 +45,8 @@ class TurnSource:
     """Assistant turns in the whole conversation (a key gets `#turn=k` when above 1)."""
     spec: dict[str, Any] | None = None
     """The turn's speculative-decoding columns (SPEC_COLUMNS) when its server gave them, else None."""
+    thinking: bool | None = None
+    """The row's thinking mode (its `thinking` column); None: not recorded (the dataset's pinned mode)."""
 
 
 def _spec(source: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -57,6 +59,11 @@ def _ids(value: Any) -> np.ndarray | None:
     if value is None:
         return None
     return np.asarray(value, dtype=np.int32)
+
+
+def _mode(row: dict[str, Any]) -> bool | None:
+    value = row.get("thinking")
+    return None if value is None else bool(value)
 
 
 def _nth(values: Any, k: int) -> Any:
@@ -80,7 +87,7 @@ def turns_of(row: dict[str, Any]) -> list[TurnSource]:
             prompt_ids=_ids(_nth(row.get("prompt_token_ids"), 0)),
             output_ids=_ids(_nth(row.get("output_token_ids"), 0)),
             assistant_turns=sum(1 for m in context if m["role"] == "assistant") + 1,
-            spec=_spec(row),
+            spec=_spec(row), thinking=_mode(row),
         )]
     turns = row.get("turns") or [{"finish_reason": row.get("finish_reason"), "prompt_tokens": row.get("prompt_tokens"),
                                   "completion_tokens": row.get("completion_tokens")}]
@@ -99,6 +106,6 @@ def turns_of(row: dict[str, Any]) -> list[TurnSource]:
             prompt_ids=_ids(_nth(row.get("prompt_token_ids"), k)),
             output_ids=_ids(_nth(row.get("output_token_ids"), k)),
             assistant_turns=len(positions),
-            spec=_spec(usage),
+            spec=_spec(usage), thinking=_mode(row),
         ))
     return out

@@ -294,7 +294,7 @@ class Validator:
             st.latency_sum += float(latency[mask].sum())
 
         if self.recounter is not None:
-            thinking_n, answer_n = self._recount(tbl, ct, ct_ok, has_reasoning, id_list)
+            thinking_n, answer_n = self._recount(tbl, ct, ct_ok, has_reasoning, id_list, thinks)
             t.think_vs_answer.add(thinking_n, answer_n)
         else:
             split = rt_ok & ct_ok & ((rt > 0) | ~has_reasoning)
@@ -349,7 +349,8 @@ class Validator:
             t.engine_ids_disagree += flag_ids(t, "engine_ids_disagree_with_usage", sub, per_row > 0)
 
     def _recount(
-        self, tbl: pa.Table, ct: np.ndarray, ct_ok: np.ndarray, has_reasoning: np.ndarray, id_list: Any
+        self, tbl: pa.Table, ct: np.ndarray, ct_ok: np.ndarray, has_reasoning: np.ndarray, id_list: Any,
+        thinks: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         rc = self.t.recount
         assert rc is not None
@@ -365,8 +366,9 @@ class Validator:
             last_ct = [(ts[-1].get("completion_tokens") if ts else None) for ts in tbl.column("turns").to_pylist()]
             has_last = np.array([v is not None for v in last_ct], dtype=bool)
             ct = np.where(has_last, np.array([v or 0 for v in last_ct], dtype=np.int64), ct)
-        res = self.recounter.recount(
-            messages, tbl.column("reasoning").to_pylist(), tbl.column("content").to_pylist()
+        res = self.recounter.recount(  # each row rendered in its own thinking mode (a run may mix them)
+            messages, tbl.column("reasoning").to_pylist(), tbl.column("content").to_pylist(),
+            thinking=None if thinks is None else thinks.tolist(),
         )
         rc.seconds += time.perf_counter() - started
         out = res.output

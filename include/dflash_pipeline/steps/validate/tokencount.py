@@ -175,23 +175,27 @@ class Recounter:
         encs = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(texts))
 
-    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str) -> str:
-        """The whole conversation as training sees it: prompt messages + the assistant turn."""
+    def render(self, messages: list[dict[str, Any]], reasoning: str | None, content: str,
+               enable_thinking: bool | None = None) -> str:
+        """The whole conversation as training sees it: prompt messages + the assistant turn (rendered in
+        `enable_thinking`'s mode; None: the recounter's)."""
         if reasoning and self.inline_reasoning:
             turn: dict[str, Any] = {"role": "assistant", "content": f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"}
         else:
             turn = {"role": "assistant", "content": content}
             if reasoning:
                 turn["reasoning_content"] = reasoning
-        return self.render_messages([*(dict(m) for m in messages), turn])
+        return self.render_messages([*(dict(m) for m in messages), turn], enable_thinking=enable_thinking)
 
-    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """`messages` (assistant turns may carry `reasoning_content`) rendered with the chat template."""
+    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                        enable_thinking: bool | None = None) -> str:
+        """`messages` (assistant turns may carry `reasoning_content`) rendered with the chat template, with
+        `enable_thinking` (a row's own mode: a run may mix modes per row), or the recounter's when None."""
         return str(
             self.template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                enable_thinking=self.enable_thinking,
+                enable_thinking=self.enable_thinking if enable_thinking is None else bool(enable_thinking),
                 tools=None,
                 **self.special,
             )
@@ -229,6 +233,7 @@ class Recounter:
         messages: Sequence[list[dict[str, Any]] | None],
         reasoning: Sequence[str | None],
         content: Sequence[str | None],
+        thinking: Sequence[bool | None] | None = None,
     ) -> RecountResult:
         """Reasoning, answer and whole-conversation tokens per row, encoding each conversation once.
 
@@ -240,11 +245,14 @@ class Recounter:
         a boundary (say `.\\n` merging the reasoning's last '.' with the template's '\\n') counts
         once, on the side where the model emitted it. A text whose span is not found (a template
         that drops the reasoning, whitespace the template changed) is encoded alone, as before.
+        `thinking`: each row's mode (None, or a None entry: the recounter's `enable_thinking`).
         """
         n = len(content)
         r_texts = [r or "" for r in reasoning]
         c_texts = [c or "" for c in content]
-        convs = [self.render(list(m or []), r or None, c) for m, r, c in zip(messages, reasoning, c_texts)]
+        modes = list(thinking) if thinking is not None else [None] * n
+        convs = [self.render(list(m or []), r or None, c, enable_thinking=k)
+                 for m, r, c, k in zip(messages, reasoning, c_texts, modes)]
         encs = self.tokenizer.encode_batch(convs, add_special_tokens=False)
         training = np.fromiter((len(e) for e in encs), dtype=np.int64, count=n)
         r_n = np.zeros(n, dtype=np.int64)
@@ -278,12 +286,15 @@ class Recounter:
         messages: Sequence[list[dict[str, Any]] | None],
         reasoning: Sequence[str | None],
         content: Sequence[str | None],
+        thinking: Sequence[bool | None] | None = None,
     ) -> RecountResult:
         """The reference method: reasoning, answer and conversation each encoded on its own (twice the work)."""
         n = len(content)
         r_texts = [r or "" for r in reasoning]
         c_texts = [c or "" for c in content]
-        convs = [self.render(list(m or []), r or None, c) for m, r, c in zip(messages, reasoning, c_texts)]
+        modes = list(thinking) if thinking is not None else [None] * n
+        convs = [self.render(list(m or []), r or None, c, enable_thinking=k)
+                 for m, r, c, k in zip(messages, reasoning, c_texts, modes)]
         counts = self.count([*r_texts, *c_texts, *convs])
         return RecountResult(counts[:n], counts[n : 2 * n], counts[2 * n :], n)
 
