@@ -174,7 +174,8 @@ def test_trainers_load_every_kept_row(template: str, thinking: bool, sf_template
     table = table.append_column("conversation", pa.array(conversations, type=pa.list_(pa.struct(
         [("role", pa.string()), ("content", pa.string()), ("reasoning", pa.string())]))))
 
-    result = dflash_ready(table, max_length=MAX_LENGTH)
+    # min_loss_tokens 32 (not the default 2) so the "short" case is a drop the trainers never see.
+    result = dflash_ready(table, max_length=MAX_LENGTH, min_loss_tokens=32)
     kept_keys = result.table.column("key").to_pylist()
     by_case = {cases[k] for k in kept_keys}
     assert result.dropped.get(DROP_NO_LOSS) == 1 and "long_context" not in by_case  # context alone > max_length
