@@ -210,11 +210,12 @@ def test_other_settings_make_a_named_tokenization_beside_the_first(s3_client: An
             run_assignment(s3_client, a)
         return write_report(s3_client, planned["datasets"][0])
 
-    first = run(TokenizeConfig(min_loss_tokens=1, workers=2))
+    # drop_quality=(): this test is about the folders and row counts of two tokenizations, not quality drops.
+    first = run(TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=()))
     assert first["tokenization"] == "default" and first["tokenized_prefix"] == dataset.tokenized_prefix
     default_files = _objects(s3_client, bucket, dataset.tokenized_prefix)
 
-    last = run(TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    last = run(TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=(), train_turns="last", tokenization="last"))
     named = dataset.tokenized_as("last")
     assert last["tokenization"] == "last" and last["tokenized_prefix"] == f"{dataset.root}/tokenized/last/"
     old_rows, new_rows = 3 * (ROWS - 1), 2 * ROWS
@@ -232,15 +233,15 @@ def test_other_settings_make_a_named_tokenization_beside_the_first(s3_client: An
     assert "This card's configs and paths are tokenization `last`" in card
 
     # the same name and settings resume (nothing to do); other settings under that name are refused
-    again = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", tokenization="last"))
+    again = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=(), train_turns="last", tokenization="last"))
     assert again["datasets"][0]["already_done"] == PARTS and all(a["jobs"] == [] for a in again["assignments"])
     with pytest.raises(ConfigError, match=r"tokenization 'last' .*other settings.*max_length.*tokenization='s-"):
-        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last", max_length=128,
+        plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=(), train_turns="last", max_length=128,
                                                       tokenization="last"))
     # no name: the tokenization made with these settings is found and resumed; new settings get a new name
-    found = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, train_turns="last"))
+    found = plan(s3_client, [dataset.uri], TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=(), train_turns="last"))
     assert found["datasets"][0]["tokenization"] == "last" and found["datasets"][0]["already_done"] == PARTS
-    third = run(TokenizeConfig(min_loss_tokens=1, workers=2, max_length=128))
+    third = run(TokenizeConfig(min_loss_tokens=1, workers=2, drop_quality=(), max_length=128))
     assert third["tokenization"].startswith("s-") and third["status"] == "complete"
     listed = _objects(s3_client, bucket, dataset.tokenized_prefix)
     assert len([k for k in listed if k.endswith("settings.json")]) == 3
