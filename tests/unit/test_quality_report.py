@@ -117,4 +117,14 @@ def test_worker_processes_give_the_same_report(s3_client: Any, bucket: str) -> N
         q["near_duplicates"].pop("seconds")
         q["near_duplicates"].pop("key")
         q["settings"].pop("quality_workers")
+    keys = [q.pop("signals_key") for q in (serial, pooled)]
     assert pooled == serial
+    # The signals kept as columns: the same table either way, one row per completion, its flags the report's.
+    tables = [pq.read_table(io.BytesIO(get(s3_client, bucket, k))) for k in keys]
+    assert json.loads(tables[0].schema.metadata[b"dflash.quality_settings"])["languages"] == ["en"]
+    assert tables[0].replace_schema_metadata(None).equals(tables[1].replace_schema_metadata(None))
+    rows = tables[0].to_pylist()
+    assert len(rows) == serial["rows"] and len({(r["id"], r["sample"]) for r in rows}) == len(rows)
+    for flag, counted in serial["flags"].items():
+        assert sum(flag in r["flags"] for r in rows) == counted["rows"], flag
+    assert any(r["duplicate_of"] for r in rows) == (serial["flags"]["near_duplicate"]["rows"] > 0)

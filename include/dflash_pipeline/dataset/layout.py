@@ -136,6 +136,12 @@ class DatasetLayout:
         return self._k("rejects/rejects.jsonl")
 
     @property
+    def quality_signals_key(self) -> str:
+        """Every completion's quality signals as columns (id, sample, q_*, language, flags, duplicate_of),
+        written by validation; rewritten whole (same parts and settings, same bytes)."""
+        return self._k("quality/signals.parquet")
+
+    @property
     def near_duplicates_key(self) -> str:
         """Near-duplicate prompts found at validation (id, duplicate_of, similarity); rewritten whole."""
         return self._k("quality/near_duplicates.parquet")

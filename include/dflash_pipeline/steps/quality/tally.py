@@ -3,7 +3,7 @@ with a few example rows (id + excerpt); the answers' languages; the near-duplica
 
 Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
 dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
-near_duplicates.parquet), then `report` / `markdown`. `part_quality` (one part's rows) is a plain function
+near_duplicates.parquet and signals.parquet, every completion's signals as columns), then `report` / `markdown`. `part_quality` (one part's rows) is a plain function
 of its inputs, so with `quality_workers` > 1 it runs in worker processes; their results are merged in the
 order the parts were added.
 """
@@ -19,9 +19,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import io
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from dflash_pipeline.config.quality import QualitySettings
 from dflash_pipeline.dataset.layout import DatasetLayout
@@ -34,7 +38,8 @@ from dflash_pipeline.steps.quality.near_dup import (
     prompt_text,
     write_near_duplicates,
 )
-from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, flags_of, is_loop, row_signals, turns_of
+from dflash_pipeline.dataset.store import with_retries
+from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, SIGNAL_COLUMNS, flags_of, is_loop, row_signals, turns_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,14 @@ UNKNOWN = "unknown"
 AUTO_WORKERS = 8
 AUTO_MIN_ROWS = 20_000
 _EMPTY = np.zeros((0, 0), dtype=np.uint32)
+SIGNALS_SCHEMA = pa.schema([
+    ("id", pa.string()), ("sample", pa.int32()), ("thinking", pa.bool_()), ("domain", pa.string()),
+    ("q_loop_reasoning", pa.bool_()), ("q_loop_answer", pa.bool_()), ("q_truncated_thinking", pa.bool_()),
+    ("q_empty_answer", pa.bool_()), ("q_refusal", pa.bool_()), ("language", pa.string()),
+    ("language_score", pa.float64()), ("duplicate_of", pa.string()), ("flags", pa.list_(pa.string())),
+])
+"""quality/signals.parquet: one row per completion (error rows are not completions), in part order; `flags`
+are `flags_of` with the validation's settings (near_duplicate included), which the file's metadata holds."""
 
 
 def _label(value: Any, lower: bool = False) -> str:
@@ -130,6 +143,8 @@ class PartQuality:
     """(thinking, domain) of each completion row; the signatures' tags index it."""
     signatures: Signatures
     seconds: float
+    signals: list[dict[str, Any]] | None = None
+    """Each completion's row of signals.parquet (without duplicate_of), in part order."""
 
 
 def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
@@ -140,7 +155,8 @@ def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
     if "error_class" in names:
         keep = pc.and_(keep, pc.is_null(part.column("error_class")))
     rows = part.filter(keep).select([c for c in READ_COLUMNS if c in names]).to_pylist()
-    out = PartQuality(len(rows), Counter(), Counter(), Counter(), [], [], Signatures([], _EMPTY, [], [], 0, 0.0), 0.0)
+    out = PartQuality(len(rows), Counter(), Counter(), Counter(), [], [], Signatures([], _EMPTY, [], [], 0, 0.0), 0.0,
+                      [])
     ids: list[str] = []
     prompts: list[str] = []
     for row in rows:
@@ -151,6 +167,8 @@ def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
         sig = row_signals(row, settings)
         out.languages[sig["language"] or "undetermined"] += 1
         flags = flags_of(sig, settings)
+        out.signals.append({"id": row["id"], "sample": int(row.get("sample") or 0), "thinking": row.get("thinking"),
+                            "domain": row.get("domain"), **{c: sig[c] for c in SIGNAL_COLUMNS}, "flags": flags})
         if flags:
             out.flagged.append((row["id"], unit_key(row), thinking, domain, flags,
                                 {f: _example_text(f, row, sig, settings) for f in flags}))
@@ -191,6 +209,8 @@ class QualityTally:
         self._label_codes: dict[tuple[str, str], int] = {}
         self.near_rows: list[tuple[str, str, float]] = []
         self.near_key: str | None = None
+        self.signals_key: str | None = None
+        self._signals: list[dict[str, Any]] = []
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.workers = workers
@@ -216,6 +236,7 @@ class QualityTally:
         self.by_domain.update(got.by_domain)
         self.languages.update(got.languages)
         self.cpu_seconds += got.seconds
+        self._signals += got.signals or []
         for pid, key, thinking, domain, flags, excerpts in got.flagged:
             self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
             for f in flags:
@@ -253,9 +274,28 @@ class QualityTally:
                    else None, n=rows)
             extra += rows - self.flagged_per_id.get(pid, 0)
         self.rows_per_id_flagged_any = sum(self.flagged_per_id.values()) + extra
+        self.signals_key = self._write_signals(store, layout)
         self.seconds += time.perf_counter() - started
         logger.info("quality signals over %d completions in %.1fs; %d near-duplicate prompt(s) written to %s",
                     self.rows, self.seconds, len(self.near_rows), self.near_key)
+
+    def _write_signals(self, store: Store, layout: DatasetLayout) -> str:
+        """signals.parquet: the signals kept as columns, for people and tools to query (tokenize recomputes
+        them with its own settings, which may differ); same parts and settings, same bytes."""
+        dups = {pid: dup for pid, dup, _ in self.near_rows}
+        for row in self._signals:
+            row["duplicate_of"] = dups.get(row["id"])
+            if row["duplicate_of"] is not None and "near_duplicate" not in row["flags"]:
+                row["flags"] = [f for f in QUALITY_FLAGS if f in row["flags"] or f == "near_duplicate"]
+        table = pa.Table.from_pylist(self._signals, schema=SIGNALS_SCHEMA).replace_schema_metadata(
+            {"dflash.quality_settings": json.dumps(self.settings.to_dict(), sort_keys=True)})
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        key = layout.quality_signals_key
+        data = buf.getvalue()
+        with_retries(lambda: store.put(key, data, content_type="application/vnd.apache.parquet"), what=f"write {key}")
+        self._signals = []
+        return key
 
     def report(self) -> dict[str, Any]:
         """report.json's `quality` section."""
@@ -268,6 +308,7 @@ class QualityTally:
             "flags": {f: c.to_dict(self.rows, self.by_thinking, self.by_domain) for f, c in self.flags.items()},
             "languages": dict(langs[:MAX_DOMAINS]) | ({"(other)": sum(k for _, k in langs[MAX_DOMAINS:])}
                                                      if langs[MAX_DOMAINS:] else {}),
+            "signals_key": self.signals_key,
             "near_duplicates": {"key": self.near_key, "prompts": self.near.prompts, "duplicates": len(self.near_rows),
                                 "empty_prompts": self.near.empty, "seconds": round(self.near.seconds, 2)},
             "seconds": round(self.seconds, 2),

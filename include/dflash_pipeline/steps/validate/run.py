@@ -252,6 +252,7 @@ def run_validation(
     report["quality"] = signals.report() if signals is not None else quality_tally.disabled_report()
     if signals is not None:
         files["near_duplicates"] = signals.near_key
+        files["quality_signals"] = signals.signals_key
         report["files"] = files
     report["mix"] = mix_section
     report["elapsed_s"] = round(time.monotonic() - started, 1)
