@@ -96,9 +96,13 @@ def test_mixed_and_all_vllm_fleets_through_the_scheduler(airflow_stack: AirflowS
 
     with SimFleet([SimConfig(**SIM) for _ in engines]).start() as sglang_only:
         baseline = _run(airflow_stack, s3_client, bucket, sglang_only, "sglang", n)
-    names = {"per_server": None}
+    # per_server is keyed by server; quality and mix are keyed by what the data holds (languages, domains,
+    # labels seen), so of those only their own keys must agree.
+    names = {"per_server": None, "quality": None, "mix": None}
     shape_base = _shape({k: v for k, v in baseline.items() if k not in names})
     for other in (report, report_vllm):
         assert _same_shape(_shape({k: v for k, v in other.items() if k not in names}), shape_base)
+        for section in ("quality", "mix"):
+            assert other[section].keys() == baseline[section].keys(), section
         assert _same_shape(_shape(next(iter(other["per_server"].values()))),
                            _shape(next(iter(baseline["per_server"].values()))))
