@@ -429,7 +429,7 @@ def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[s
     parts.append(mix_section(report.get("mix")))
     if plot_urls:
         parts.append('<h2>Plots</h2><div class="plots">' + "".join(
-            f'<img src="{_e(u)}" alt="{_e(n)}" loading="lazy">' for n, u in plot_urls) + "</div>")
+            f'<img src="{_e(u)}" alt="{_e(n)}">' for n, u in plot_urls) + "</div>")
     parts.append("</section>")
     return "".join(parts)
 
