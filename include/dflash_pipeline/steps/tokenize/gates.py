@@ -128,9 +128,10 @@ def failure_message(report: Mapping[str, Any]) -> str:
     hint = f"; first unverified turns: {examples[:3]}" if examples else ""
     return (f"{report['output_uri']}: kept {g['rows_kept']:,} of {g['rows_counted']:,} training rows "
             f"({g['kept_share']:.1%}), below min_kept_share {g['min_kept_share']}. Dropped: {reasons or 'nothing'}"
-            f"{hint}. See {report.get('report_key', 'tokenized/report.json')}. Fix the cause (tokenizer, filters: "
-            "delete the tokenized/ prefix and tokenize again), or accept these rows by triggering dflash_tokenize "
-            "again with a lower min_kept_share (done parts are skipped)")
+            f"{hint}. See {report.get('report_key', 'tokenized/report.json')}. Fix the cause (another tokenizer or "
+            "drop_quality: tokenizing with other settings writes a new tokenization beside this one, tokenized/<name>/), "
+            "or accept these rows by triggering dflash_tokenize again with a lower min_kept_share (done parts are "
+            "skipped)")
 
 
 # -- tables for the report and the card ----------------------------------------------------------------
