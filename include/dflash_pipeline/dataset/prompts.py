@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from dflash_pipeline.dataset.sampling import parse_row_mix, row_mix_keys
+from dflash_pipeline.dataset.sampling import JsonTextError, decode_json_text, parse_row_mix, row_mix_keys
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,9 @@ def parse_labels(row: dict[str, Any]) -> tuple[str | None, str | None, dict[str,
         if isinstance(value, str) and len(value) > MAX_LABEL_LEN:
             return f"'{name}' is longer than {MAX_LABEL_LEN} characters"
         labels.append(value if value else None)
-    given = row.get("metadata")
-    if isinstance(given, str):  # a JSON-encoded object, as our own Parquet files carry it
-        try:
-            given = json.loads(given) if given.strip() else None
-        except json.JSONDecodeError:
-            return "'metadata' is a string that is not a JSON object"
+    given = decode_json_text(row.get("metadata"), "metadata")  # our own Parquet files carry it as JSON text
+    if isinstance(given, JsonTextError):
+        return str(given)
     if given is not None and not isinstance(given, dict):
         return f"'metadata' must be a JSON object, got {type(given).__name__}"
     # A null extra key carries nothing (a Parquet file has every column in every row).

@@ -146,18 +146,30 @@ def parse_row_mix(row: Mapping[str, Any]) -> tuple[bool | None, dict[str, Any] |
         thinking = value
     elif isinstance(row.get("thinking"), bool):
         thinking = row["thinking"]
-    sampling = row.get("sampling")
-    if isinstance(sampling, str):  # a JSON-encoded object, as a Parquet column may carry it
-        try:
-            sampling = json.loads(sampling) if sampling.strip() else None
-        except json.JSONDecodeError:
-            return "'sampling' is a string that is not a JSON object"
+    sampling = decode_json_text(row.get("sampling"), "sampling")
+    if isinstance(sampling, JsonTextError):
+        return str(sampling)
     if sampling is not None:
         try:
             sampling = check_overrides(sampling, "'sampling'") or None
         except SamplingError as exc:
             return str(exc)
     return thinking, sampling
+
+
+class JsonTextError(str):
+    """`decode_json_text`'s refusal, a message a person can act on."""
+
+
+def decode_json_text(value: Any, name: str) -> Any:
+    """A row field that may be a JSON-encoded object in a string (as a Parquet column carries one):
+    decoded ("" is None); any other value as given; a string that is not JSON is a JsonTextError."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else None
+    except json.JSONDecodeError:
+        return JsonTextError(f"'{name}' is a string that is not a JSON object")
 
 
 ROW_MIX_KEYS = ("enable_thinking", "sampling")
