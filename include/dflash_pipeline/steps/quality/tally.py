@@ -3,7 +3,9 @@ with a few example rows (id + excerpt); the answers' languages; the near-duplica
 
 Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
 dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
-near_duplicates.parquet and signals.parquet, every completion's signals as columns), then `report` / `markdown`. `part_quality` (one part's rows) is a plain function
+near_duplicates.parquet and signals.parquet, every completion's signals as columns), then `report` / `markdown`.
+Both files are rewritten whole by `finish` only: a validation killed before it leaves the last run's files
+(or none), and the next validation rewrites them from the parts. `part_quality` (one part's rows) is a plain function
 of its inputs, so with `quality_workers` > 1 it runs in worker processes; their results are merged in the
 order the parts were added.
 """
@@ -168,7 +170,8 @@ def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
         out.languages[sig["language"] or "undetermined"] += 1
         flags = flags_of(sig, settings)
         out.signals.append({"id": row["id"], "sample": int(row.get("sample") or 0), "thinking": row.get("thinking"),
-                            "domain": row.get("domain"), **{c: sig[c] for c in SIGNAL_COLUMNS}, "flags": flags})
+                            "domain": row.get("domain"), **{c: sig[c] for c in SIGNAL_COLUMNS},
+                            "duplicate_of": None, "flags": flags})
         if flags:
             out.flagged.append((row["id"], unit_key(row), thinking, domain, flags,
                                 {f: _example_text(f, row, sig, settings) for f in flags}))
@@ -210,7 +213,7 @@ class QualityTally:
         self.near_rows: list[tuple[str, str, float]] = []
         self.near_key: str | None = None
         self.signals_key: str | None = None
-        self._signals: list[dict[str, Any]] = []
+        self._signals: list[pa.Table] = []  # one per part, columnar (900k rows of dicts would not be)
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.workers = workers
@@ -236,7 +239,7 @@ class QualityTally:
         self.by_domain.update(got.by_domain)
         self.languages.update(got.languages)
         self.cpu_seconds += got.seconds
-        self._signals += got.signals or []
+        self._signals.append(pa.Table.from_pylist(got.signals or [], schema=SIGNALS_SCHEMA))
         for pid, key, thinking, domain, flags, excerpts in got.flagged:
             self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
             for f in flags:
@@ -283,11 +286,14 @@ class QualityTally:
         """signals.parquet: the signals kept as columns, for people and tools to query (tokenize recomputes
         them with its own settings, which may differ); same parts and settings, same bytes."""
         dups = {pid: dup for pid, dup, _ in self.near_rows}
-        for row in self._signals:
-            row["duplicate_of"] = dups.get(row["id"])
-            if row["duplicate_of"] is not None and "near_duplicate" not in row["flags"]:
-                row["flags"] = [f for f in QUALITY_FLAGS if f in row["flags"] or f == "near_duplicate"]
-        table = pa.Table.from_pylist(self._signals, schema=SIGNALS_SCHEMA).replace_schema_metadata(
+        table = pa.concat_tables(self._signals) if self._signals else SIGNALS_SCHEMA.empty_table()
+        dup_of = [dups.get(pid) for pid in table.column("id").to_pylist()]
+        flags = [f if d is None else [q for q in QUALITY_FLAGS if q in f or q == "near_duplicate"]
+                 for f, d in zip(table.column("flags").to_pylist(), dup_of)]
+        table = table.set_column(table.schema.get_field_index("duplicate_of"), "duplicate_of",
+                                 pa.array(dup_of, pa.string()))
+        table = table.set_column(table.schema.get_field_index("flags"), "flags", pa.array(flags, pa.list_(pa.string())))
+        table = table.replace_schema_metadata(
             {"dflash.quality_settings": json.dumps(self.settings.to_dict(), sort_keys=True)})
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
