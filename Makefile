@@ -1,6 +1,6 @@
 # Local development: everything runs from .venv; nothing else is needed but Python >= 3.11.
 #   make venv         create/refresh .venv (only when requirements/constraints/pyproject change)
-#   make test         the whole suite (PYTEST_ARGS='tests/unit -q' narrows it)
+#   make test         the whole suite, two workers (PYTEST_ARGS='tests/unit -q' narrows it; TEST_WORKERS=0: one process)
 #   make test-fast    without the slow end-to-end tests
 #   make demo         the pipeline end to end on a local stack (scripts/demo.py; DEMO_ARGS='--keep')
 #   make sample-data  regenerate data/sample_prompts.jsonl
@@ -15,6 +15,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# make test's pytest-xdist workers (0: one process). Whole test files (and the whole real-engine tier)
+# go to one worker each (tests/conftest.py groups them), so module and engine fixtures start once.
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 # python3.11 if it exists by that name, else python3; must be >= 3.11.
@@ -55,7 +58,7 @@ vllm-venv:
 # test), installed/started only when missing; .venv-trainers (tests/trainers) and .venv-vllm (tests/engine).
 test: $(STAMP) qwen-tokenizer trainers-venv vllm-venv
 	bash scripts/ci_system_deps.sh
-	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
+	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -200,6 +200,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append((f"airflow {log_file.stem} (last 60 lines)", tail))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs two pytest-xdist workers with `--dist loadgroup`, which hands out whole groups:
+    one per test file (a module-scoped run is made once, in one worker) and one for the whole
+    real-engine tier (its vLLM servers are session fixtures: each started once, in one worker)."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        rel = Path(str(item.path)).resolve().relative_to(tests)
+        item.add_marker(pytest.mark.xdist_group("engine" if rel.parts[0] == "engine" else rel.as_posix()))
+
+
 @pytest.fixture(scope="session")
 def airflow_dags_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A temporary folder parsed by ``airflow_stack`` as DAG bundle ``test-dags``.
