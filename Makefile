@@ -58,7 +58,7 @@ vllm-venv:
 # test), installed/started only when missing; .venv-trainers (tests/trainers) and .venv-vllm (tests/engine).
 test: $(STAMP) qwen-tokenizer trainers-venv vllm-venv
 	bash scripts/ci_system_deps.sh
-	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	eval "$$(bash scripts/ci_services.sh)" && $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

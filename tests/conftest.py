@@ -200,14 +200,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append((f"airflow {log_file.stem} (last 60 lines)", tail))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers with `--dist loadgroup`, which hands out whole groups:
-    one per test file (a module-scoped run is made once, in one worker) and one for the whole
-    real-engine tier (its vLLM servers are session fixtures: each started once, in one worker)."""
-    tests = Path(__file__).resolve().parent
-    for item in items:
-        rel = Path(str(item.path)).resolve().relative_to(tests)
-        item.add_marker(pytest.mark.xdist_group("engine" if rel.parts[0] == "engine" else rel.as_posix()))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two pytest-xdist workers with `--dist loadfile`; this scheduler hands out whole
+    test files (a module-scoped run is made once, in one worker) except that the real-engine tier is
+    one unit (its vLLM servers are session fixtures: each started once, in one worker, not twice).
+    Why not `--dist loadgroup` with marks: xdist 3.8.0 names the group by setting `item._nodeid`,
+    which pytest 9.2 no longer reads, so every marked test went to any worker."""
+    if config.getvalue("dist") not in ("loadfile", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndEngineTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/engine/" if path.startswith("tests/engine/") else path
+
+    return FilesAndEngineTier(config, log)
 
 
 @pytest.fixture(scope="session")
