@@ -44,8 +44,16 @@ DAG_ID = "dflash_generate"
 MODEL = "Qwen/Qwen3-8B"
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # same clean shutdown as Ctrl-C
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    """The first SIGTERM or SIGINT stops the demo (a KeyboardInterrupt, as Ctrl-C); later ones are ignored.
+
+    Why: `make demo` forwards the signal it gets to this process, so a Ctrl-C or a `kill -TERM` of the
+    group arrives twice within microseconds, and a user may press Ctrl-C again. A second
+    KeyboardInterrupt raised while the stack's shutdown runs abandoned it: Airflow, the simulated
+    servers and moto kept running after "Stopped everything"."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -203,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)  # even if started with SIGINT ignored
 
     if not args.prompts.exists():
         print(f"{args.prompts} is missing: run `make sample-data`", file=sys.stderr)

@@ -11,6 +11,7 @@ bucket under its output root: the README's layout is checked against a real run,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -52,6 +53,27 @@ def key_pattern(path: str) -> re.Pattern[str]:
     return re.compile(pattern + ("" if path.endswith("/") else "$"))
 
 
+def processes_naming(home: Path) -> list[str]:
+    """Live (not zombie) processes whose command line or environment names `home`: what the demo started
+    there (its moto, Airflow and simulated servers inherit DEMO_ARGS, which names it)."""
+    needle = str(home).encode()
+    found = []
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            if (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (proc_dir / "cmdline").read_bytes()
+            environ = (proc_dir / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if needle in cmdline or needle in environ:
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:160]
+            found.append(f"{proc_dir.name}: {command}")
+    return found
+
+
 def test_key_pattern_matches_real_keys() -> None:
     assert key_pattern("runs/<run_id>/progress/<worker>.json").match("runs/manual__2026_x/progress/generate-0.json")
     assert key_pattern("completions/part-NNNNNN.parquet").match("completions/part-000012.parquet")
@@ -65,7 +87,8 @@ def test_a_newcomer_reaches_a_finished_run_and_a_tokenized_dataset(tmp_path: Pat
     # the command run is still the README's, and the path through Airflow, S3 and the fleet the same.
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join((REPO / "data" / "sample_prompts.jsonl").read_text().splitlines(True)[:NEWCOMER_PROMPTS]))
-    env = {**os.environ, "DEMO_ARGS": f"--keep --home {tmp_path / 'demo'} --prompts {prompts}"}
+    home = tmp_path / "demo"
+    env = {**os.environ, "DEMO_ARGS": f"--keep --home {home} --prompts {prompts}"}
     for command in commands[:-1]:
         subprocess.run(["bash", "-c", command], cwd=REPO, env=env, check=True, timeout=900)
 
@@ -115,3 +138,10 @@ def test_a_newcomer_reaches_a_finished_run_and_a_tokenized_dataset(tmp_path: Pat
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         reader.join(timeout=10)
+        # SIGTERM to `make demo`'s group reaches the demo twice (make forwards it): the second one once
+        # abandoned the stack's shutdown and left Airflow, moto and the simulated servers running.
+        leftovers = processes_naming(home)
+        for line in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+    assert not leftovers, f"the demo exited and left its stack running: {leftovers}"
