@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dflash_pipeline.dev.stack.procs import describe, is_live
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -53,24 +54,20 @@ def key_pattern(path: str) -> re.Pattern[str]:
     return re.compile(pattern + ("" if path.endswith("/") else "$"))
 
 
-def processes_naming(home: Path) -> list[str]:
-    """Live (not zombie) processes whose command line or environment names `home`: what the demo started
-    there (its moto, Airflow and simulated servers inherit DEMO_ARGS, which names it)."""
+def processes_naming(home: Path) -> list[int]:
+    """Live processes whose command line or environment names `home`: what the demo started there (its
+    moto, Airflow and simulated servers inherit DEMO_ARGS, which names it)."""
     needle = str(home).encode()
     found = []
     for proc_dir in Path("/proc").iterdir():
-        if not proc_dir.name.isdigit():
+        if not proc_dir.name.isdigit() or not is_live(int(proc_dir.name)):
             continue
         try:
-            if (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmdline = (proc_dir / "cmdline").read_bytes()
-            environ = (proc_dir / "environ").read_bytes()
+            named = needle in (proc_dir / "cmdline").read_bytes() or needle in (proc_dir / "environ").read_bytes()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if needle in cmdline or needle in environ:
-            command = cmdline.replace(b"\0", b" ").decode(errors="replace")[:160]
-            found.append(f"{proc_dir.name}: {command}")
+        if named:
+            found.append(int(proc_dir.name))
     return found
 
 
@@ -140,8 +137,9 @@ def test_a_newcomer_reaches_a_finished_run_and_a_tokenized_dataset(tmp_path: Pat
         reader.join(timeout=10)
         # SIGTERM to `make demo`'s group reaches the demo twice (make forwards it): the second one once
         # abandoned the stack's shutdown and left Airflow, moto and the simulated servers running.
-        leftovers = processes_naming(home)
-        for line in leftovers:
+        pids = processes_naming(home)
+        leftovers = [describe(pid) for pid in pids]
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
     assert not leftovers, f"the demo exited and left its stack running: {leftovers}"
