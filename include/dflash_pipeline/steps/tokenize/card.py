@@ -238,7 +238,7 @@ def _intro(settings: Mapping[str, Any], model: str) -> list[str]:
     """The card's title and first paragraph: what the rows train (regenerated or original answers, a planted defect)."""
     if settings.get("answers") == "original":
         lines = [
-            f"# Drafter training data: the prompts' original answers (not regenerated; dataset regenerated from `{model}`)",
+            f"# Drafter training data: the prompts' original answers, not `{model}`'s",
             "",
             "**answers: original.** The input's own answers (`original_messages`), not the target model's: one training "
             "row per original assistant answer at the place the regeneration answers (`dflash_tokenize` with `answers: "

@@ -495,7 +495,9 @@ def report_markdown(r: dict[str, Any]) -> str:
         *answers_lines(r), "",
         "| figure | value |", "|---|---:|",
         f"| completions rows in | {r['rows_in']:,} |",
-        f"| ... with the engine's token ids / without | {r['rows_with_engine_ids']:,} / {r['rows_without_engine_ids']:,} |",
+        *([] if r.get("answers") == ANSWERS_ORIGINAL else [
+            f"| ... with the engine's token ids / without | {r['rows_with_engine_ids']:,} / "
+            f"{r['rows_without_engine_ids']:,} |"]),
         f"| training rows out | {r['rows_out']:,} |",
         f"| ... ids from the engine | {src.get('engine', 0):,} |",
         f"| ... re-encoded and checked against the engine's counts | {src.get('retokenized', 0):,} |",
