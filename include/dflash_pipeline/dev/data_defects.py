@@ -46,7 +46,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,12 +62,18 @@ from dflash_pipeline.dataset.layout import (
     chunk_of_key,
 )
 from dflash_pipeline.dataset.records import decode_part
-from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
+from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
 from dflash_pipeline.steps.tokenize.exact import TokenizeSettings, TrainingRowBuilder
 from dflash_pipeline.steps.tokenize.gates import DropTally, domain_of, mode_of
 from dflash_pipeline.steps.tokenize.profiles import TRAINING_ROW_SCHEMA, ConversationStats, build_profile_files, profile_keys
-from dflash_pipeline.steps.tokenize.run import DEFAULT_MIN_KEPT_SHARE, load_tokenizer, write_report
+from dflash_pipeline.steps.tokenize.run import (  # the tokenization's own S3 reads and once-only writes
+    DEFAULT_MIN_KEPT_SHARE,
+    _get_json,
+    _put_once,
+    load_tokenizer,
+    write_report,
+)
 from dflash_pipeline.steps.validate import mix as mixreport
 
 logger = logging.getLogger(__name__)
@@ -250,19 +256,6 @@ def part_files(out: pa.Table, chunk: int, settings: TokenizeSettings) -> tuple[d
 # -- the tokenization ---------------------------------------------------------------------------------------------
 
 
-def _get_json(store: Store, key: str) -> dict[str, Any] | None:
-    got = with_retries(lambda: store.get(key), what=f"read {key}")
-    return None if got is None else json.loads(got[0])
-
-
-def _put_once(store: Store, key: str, data: bytes, content_type: str) -> bool:
-    try:
-        with_retries(lambda: store.put(key, data, if_none_match=True, content_type=content_type), what=f"write {key}")
-        return True
-    except PreconditionFailed:
-        return False
-
-
 def _source(store: Store, layout: DatasetLayout, source: str) -> tuple[dict[str, Any], bytes]:
     """The source tokenization's settings (doc and bytes): it must exist, be complete, clean, with Parquet files."""
     src = layout.tokenized_as(source)
@@ -297,8 +290,7 @@ def _pin(store: Store, layout: DatasetLayout, doc: dict[str, Any]) -> None:
 
 
 def plant_defect(client: Any, output_uri: str, defect: str, *, source: str = DEFAULT_TOKENIZATION,
-                 name: str | None = None, min_kept_share: float = DEFAULT_MIN_KEPT_SHARE,
-                 load: Callable[[Any, TokenizeSettings], TrainingRowBuilder] = load_tokenizer) -> dict[str, Any]:
+                 name: str | None = None, min_kept_share: float = DEFAULT_MIN_KEPT_SHARE) -> dict[str, Any]:
     """Derive tokenization `name` (default ``<source>-<defect>``) of the dataset at `output_uri` from tokenization
     `source` with `defect` planted in every part; returns its report (report.json)."""
     if defect not in DEFECTS:
@@ -313,7 +305,7 @@ def plant_defect(client: Any, output_uri: str, defect: str, *, source: str = DEF
     settings = TokenizeSettings.from_dict(src_doc)
     prompts = None
     if defect == THINKING_OFF_AS_ON:
-        builder = load(client, settings)
+        builder = load_tokenizer(client, settings)
         was = ((src_doc.get("provenance") or {}).get("tokenizer") or {}).get("tokenizer_json_sha256")
         if was and builder.provenance.get("tokenizer_json_sha256") not in (None, was):
             raise DefectError(f"tokenizer {settings.tokenizer!r} changed since tokenization {source!r} was made")

@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
-from dflash_pipeline.config.tokenize import QUALITY_FLAG_NAMES
+from dflash_pipeline.config.tokenize import ANSWERS, ANSWERS_ORIGINAL, QUALITY_FLAG_NAMES
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
@@ -72,7 +72,6 @@ IDS_ENGINE = "engine"
 IDS_RETOKENIZED = "retokenized"
 IDS_ORIGINAL = "original"
 """An original answer's text, encoded here: no engine ids and no engine counts to check it against."""
-ANSWERS = ("regenerated", "original")
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -478,7 +477,7 @@ def tokenize_table(
     what the filters read besides the usual. Every drop is also counted by the row's thinking mode and
     domain (stats.dropped_by_*)."""
     s = builder.settings
-    original = s.answers == "original"
+    original = s.answers == ANSWERS_ORIGINAL
     stats = PartStats(rows_in=table.num_rows)
     dropped: Counter[str] = Counter()
     tally = DropTally()

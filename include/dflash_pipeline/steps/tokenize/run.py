@@ -151,9 +151,9 @@ def _differ(pinned: dict[str, Any], settings: TokenizeSettings, builder: Trainin
     """What a pinned settings.json and these settings (with this tokenizer file) disagree on; {} = the same.
     A tokenization with a planted defect (dev/data_defects.py) differs from anything a tokenize run asks for."""
     differ: dict[str, Any] = {}
-    was = TokenizeSettings.from_dict(pinned)
-    if was != settings:
-        old = was.to_dict()
+    pinned_settings = TokenizeSettings.from_dict(pinned)
+    if pinned_settings != settings:
+        old = pinned_settings.to_dict()  # defaults filled in for keys pinned before they existed
         differ = {k: (old.get(k), v) for k, v in settings.to_dict().items() if old.get(k) != v}
     if pinned.get("defect"):
         differ["defect"] = ((pinned["defect"] or {}).get("name"), None)
