@@ -298,7 +298,7 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
 
     cfg = tokenize_config(params)
     client = s3_client(cfg.aws_conn_id)
-    keys = ("output_uri", "tokenization", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
+    keys = ("output_uri", "tokenization", "answers", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
             "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length",
             "gate", "dropped_by_thinking")
     with _fail_fast():
