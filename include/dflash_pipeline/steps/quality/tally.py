@@ -166,6 +166,7 @@ class QualityTally:
         self.settings = settings
         self.rows = 0
         self.rows_flagged = 0
+        self.rows_loop = 0
         self.flags = {f: FlagCount() for f in QUALITY_FLAGS}
         self.by_thinking: Counter[str] = Counter()
         self.by_domain: Counter[str] = Counter()
@@ -206,6 +207,7 @@ class QualityTally:
             if not flags:
                 continue
             self.rows_flagged += 1
+            self.rows_loop += "loop_reasoning" in flags or "loop_answer" in flags
             excerpts = json.loads(cols["q_examples"][i]) if cols["q_examples"][i] else {}
             key = unit_key({"id": pid, "sample": cols["sample"][i]})
             for f in flags:

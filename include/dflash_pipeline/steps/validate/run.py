@@ -382,7 +382,21 @@ def assemble_report(tallies: Tallies, manifest: dict[str, Any], layout: DatasetL
         report["files"] = files
     report["mix"] = mix_section
     report["digests"] = sources.to_dict()
+    if thresholds.max_loop_rate is not None and q is not None:
+        check_loops(report, q.rows_loop, q.rows, thresholds.max_loop_rate)
     return report
+
+
+def check_loops(report: dict[str, Any], loops: int, rows: int, limit: float) -> None:
+    """max_loop_rate: completions with a repetition loop (in the reasoning or the answer) / completions."""
+    value = loops / rows if rows else 0.0
+    check = {"name": "loop_rate", "value": round(value, 6), "threshold": "max_loop_rate", "limit": limit,
+             "ok": value <= limit, "figure": f"loop rate {100 * value:.2f}% ({loops} of {rows} completions hold a "
+                                             "repetition loop)"}
+    report["checks"].append(check)
+    if not check["ok"]:
+        report["problems"].append(f"{check['figure']} is above max_loop_rate={100 * limit:.2f}%")
+        report["status"] = "failed"
 
 
 def write_report(store: Store, layout: DatasetLayout, report: dict[str, Any]) -> str:
