@@ -18,7 +18,7 @@ prompt file sorted by difficulty can still stop a run whose final rate would pas
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -27,10 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-FIGURES = ("completions", "errors", "truncated", "truncated_thinking", "loop", "empty_answer", "refusal",
-           "language_off", "language_known", "completions_thinking", "reasoning_missing", "spec_rows",
-           "spec_verify_steps", "spec_accepted_tokens")
-"""Counts kept per (server, thinking mode)."""
+from dflash_pipeline.monitor.livequality import FIGURES, sum_groups, live_view, merge_groups, rates_of  # noqa: F401
+
 ALPHA = 1e-3
 MIN_ROWS = 200
 GRID_RATIO = 1.25
@@ -107,61 +105,6 @@ class LiveTally:
                 "groups": [{"server": s, "thinking": t, **g} for (s, t), g in sorted(self.groups.items())]}
 
 
-def merge_groups(docs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Every task's groups summed per (server, thinking) (a server's task retried writes one doc)."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for doc in docs:
-        for g in doc.get("groups") or []:
-            key = (str(g.get("server")), str(g.get("thinking")))
-            acc = out.setdefault(key, {"server": key[0], "thinking": key[1], **dict.fromkeys(FIGURES, 0)})
-            for f in FIGURES:
-                acc[f] += int(g.get(f) or 0)
-    return [out[k] for k in sorted(out)]
-
-
-RATES = (
-    # (name, numerator, denominator)
-    ("loop", "loop", "completions"),
-    ("truncated", "truncated", "completions"),
-    ("truncated_thinking", "truncated_thinking", "completions"),
-    ("empty_answer", "empty_answer", "completions"),
-    ("refusal", "refusal", "completions"),
-    ("language_off", "language_off", "language_known"),
-    ("reasoning_missing", "reasoning_missing", "completions_thinking"),
-)
-
-
-def _sum(groups: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    acc = dict.fromkeys(FIGURES, 0)
-    for g in groups:
-        for f in FIGURES:
-            acc[f] += int(g.get(f) or 0)
-    return acc
-
-
-def rates_of(g: Mapping[str, Any]) -> dict[str, Any]:
-    """Each rate with the rows it is over, and the token-weighted acceptance length where servers speculate."""
-    out: dict[str, Any] = {}
-    for name, num, den in RATES:
-        n = int(g.get(den) or 0)
-        out[name] = {"rate": (int(g.get(num) or 0) / n) if n else None, "rows": n, "count": int(g.get(num) or 0)}
-    steps = int(g.get("spec_verify_steps") or 0)
-    out["acceptance_length"] = {"value": (1 + int(g.get("spec_accepted_tokens") or 0) / steps) if steps else None,
-                                "rows": int(g.get("spec_rows") or 0)}
-    return out
-
-
-def live_view(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """What the progress page shows: the run's rates overall, per server and per thinking mode."""
-    servers = sorted({g["server"] for g in groups})
-    modes = sorted({g["thinking"] for g in groups})
-    return {
-        "overall": rates_of(_sum(groups)) | {"completions": _sum(groups)["completions"]},
-        "by_server": {s: rates_of(_sum(g for g in groups if g["server"] == s)) for s in servers},
-        "by_thinking": {m: rates_of(_sum(g for g in groups if g["thinking"] == m)) for m in modes},
-    }
-
-
 # ------------------------------------------------------------------------------------------ fail fast
 
 
@@ -202,7 +145,7 @@ def verdict(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], *, alp
     """None while every figure may still be within its limit; else the message that stops the run: the
     figure, the rows it is over, each server's share (naming one that alone is above the limit) and what
     to change."""
-    total = _sum(groups)
+    total = sum_groups(groups)
     servers = sorted({g["server"] for g in groups})
     for lim in limits:
         k, n = total[lim.numerator], total[lim.denominator]
@@ -210,7 +153,7 @@ def verdict(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], *, alp
             continue
         per: list[tuple[str, int, int]] = []
         for s in servers:
-            sg = _sum(g for g in groups if g["server"] == s)
+            sg = sum_groups(g for g in groups if g["server"] == s)
             per.append((s, sg[lim.numerator], sg[lim.denominator]))
         bad = [s for s, ks, ns in per if ns and surely_above(ks, ns, lim.limit, alpha, min(min_rows, 50))]
         rest_k = sum(ks for s, ks, _ in per if s not in bad)
