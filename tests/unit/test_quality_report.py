@@ -105,7 +105,7 @@ def test_quality_signals_off(s3_client: Any, bucket: str) -> None:
     assert "Not computed" in get(s3_client, bucket, "ds/quality-off/report.md").decode()
 
 
-TIMING = ("elapsed_s", "generated_at", "digests")
+TIMING = ("elapsed_s", "validated_at", "digests")
 
 
 def _comparable(report: dict[str, Any]) -> dict[str, Any]:

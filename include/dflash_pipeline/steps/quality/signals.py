@@ -231,7 +231,194 @@ def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]
 
 
 def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings) -> list[dict[str, Any]]:
-    """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all
-    the part's texts in one vectorised pass (`loop_flags`) and language ID over the part's answers in one
-    batch (`identify_languages`)."""
-    return [row_signals(r, settings) for r in rows]
+    """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all the
+    part's single-turn texts in one vectorised pass (`loop_flags`) and language ID over the part's answers in
+    one batch (`identify_languages`). Multi-turn rows take `row_signals` itself."""
+    single = [i for i, r in enumerate(rows) if len(turns_of(r)) == 1]
+    multi = set(range(len(rows))) - set(single)
+    turns = {i: turns_of(rows[i])[0] for i in single}
+    loops_r = loop_flags([turns[i][0] for i in single], settings)
+    loops_a = loop_flags([turns[i][1] for i in single], settings)
+    answers = {i: turns[i][1] for i in single if turns[i][1].strip()}
+    langs = dict(zip(answers, identify_languages(list(answers.values()), settings)))
+    out: list[dict[str, Any]] = []
+    k = 0
+    for i, row in enumerate(rows):
+        if i in multi:
+            out.append(row_signals(row, settings))
+            continue
+        reasoning, answer, finish = turns[i]
+        empty = not answer.strip()
+        lang, score = langs.get(i, (None, None))
+        out.append({"q_loop_reasoning": bool(loops_r[k]), "q_loop_answer": bool(loops_a[k]),
+                    "q_truncated_thinking": finish == "length" and (empty or _open_thinking(answer)),
+                    "q_empty_answer": finish == "stop" and empty, "q_refusal": is_refusal(answer, settings),
+                    "language": lang, "language_score": score})
+        k += 1
+    return out
+
+
+_LONG = PIECE
+_MIX = np.uint64(0x100000001B3)
+"""The n-gram hash multiplier of `loop_stretches` (the same rolling hash, over per-batch token ids)."""
+
+
+def _word_ids(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Loop tokens of non-CJK texts as per-batch integer ids (equal tokens, equal ids), and each text's token
+    count: whitespace words cut into PIECE-character pieces, as `loop_tokens` does, in pyarrow compute."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    words = pc.utf8_split_whitespace(pa.array(texts, type=pa.large_string()))
+    flat = pc.list_flatten(words)
+    parents = np.asarray(pc.list_parent_indices(words).to_numpy(zero_copy_only=False), dtype=np.int64)
+    lens = np.asarray(pc.utf8_length(flat).to_numpy(zero_copy_only=False), dtype=np.int64)
+    keep = lens > 0
+    pieces = np.where(keep, np.maximum(1, -(-lens // _LONG)), 0)
+    if (pieces > 1).any():
+        idx = np.repeat(np.arange(len(flat)), pieces)
+        starts = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+        piece_no = np.arange(len(idx)) - np.repeat(starts, pieces)
+        parts: list[Any] = []
+        order: list[np.ndarray] = []
+        for j in range(int(piece_no.max()) + 1):
+            sel = np.flatnonzero(piece_no == j)
+            taken = pc.take(flat, pa.array(idx[sel]))
+            parts.append(pc.utf8_slice_codeunits(taken, j * _LONG, (j + 1) * _LONG))
+            order.append(sel)
+        pos = np.concatenate(order)
+        tokens = pa.concat_arrays(parts)
+        tokens = pc.take(tokens, pa.array(np.argsort(pos, kind="stable")))
+        parents = np.repeat(parents, pieces)
+    else:
+        tokens = pc.filter(flat, pa.array(keep))
+        parents = parents[keep]
+    enc = pc.dictionary_encode(tokens)
+    if hasattr(enc, "combine_chunks"):
+        enc = enc.combine_chunks()
+    ids = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    counts = np.bincount(parents, minlength=len(texts)).astype(np.int64)
+    return ids, counts
+
+
+def loop_flags(texts: list[str], settings: QualitySettings) -> np.ndarray:
+    """`is_loop` of many texts at once: the same rule, one vectorised pass over all their tokens (texts with CJK
+    characters, whose tokens need the regex, go through `is_loop` one by one)."""
+    n = len(texts)
+    out = np.zeros(n, dtype=bool)
+    todo = [i for i, t in enumerate(texts) if t and len(t) >= settings.loop_min_span_tokens]
+    if not todo:
+        return out
+    cjk = [i for i in todo if _CJK_RE.search(texts[i])]
+    for i in cjk:
+        out[i] = is_loop(texts[i], settings)
+    plain = [i for i in todo if i not in set(cjk)]
+    if not plain:
+        return out
+    ids, counts = _word_ids([texts[i] for i in plain])
+    for j, hit in zip(plain, _loops_in_segments(ids, counts, settings)):
+        out[j] = hit
+    return out
+
+
+def _loops_in_segments(ids: np.ndarray, counts: np.ndarray, settings: QualitySettings) -> np.ndarray:
+    """The loop rule of `loop_stretches` over consecutive segments of token ids (one per text), vectorised."""
+    ngram, max_period, min_span = settings.loop_ngram, settings.loop_max_period, settings.loop_min_span_tokens
+    seg = np.repeat(np.arange(len(counts)), counts)
+    total = len(ids)
+    result = np.zeros(len(counts), dtype=bool)
+    t = total - ngram + 1
+    if t < 2:
+        return result
+    vals = (ids + 1).astype(np.uint64)
+    h = np.zeros(t, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(ngram):
+            h = h * _MIX + vals[k:k + t]
+    # an n-gram is valid when it lies inside one text
+    valid = seg[:t] == seg[ngram - 1:ngram - 1 + t]
+    pos = np.flatnonzero(valid)
+    if len(pos) < 2:
+        return result
+    hv, sv = h[pos], seg[pos].astype(np.uint64)
+    order = np.lexsort((hv, sv))  # by segment, then hash; stable within equal keys (lexsort is stable)
+    hs, ss = hv[order], sv[order]
+    same = (hs[1:] == hs[:-1]) & (ss[1:] == ss[:-1])
+    prev = np.full(len(pos), -1, dtype=np.int64)
+    prev[order[1:][same]] = order[:-1][same]
+    dist = np.where(prev >= 0, pos - pos[np.maximum(prev, 0)], 0)
+    rep = (prev >= 0) & (dist <= max_period)
+    if not rep.any():
+        return result
+    # unbroken stretches of repeats, within a text: consecutive valid positions in the same segment
+    brk = np.ones(len(pos) + 1, dtype=bool)
+    brk[1:-1] = ~rep[1:] | ~rep[:-1] | (pos[1:] != pos[:-1] + 1)
+    r = np.flatnonzero(rep)
+    starts_ = r[brk[r]]
+    ends_ = np.flatnonzero(rep & brk[1:]) + 1
+    spans = ends_ - starts_ + ngram - 1
+    long = spans >= min_span
+    for s0, e0, span in zip(starts_[long].tolist(), ends_[long].tolist(), spans[long].tolist()):
+        g = int(seg[pos[s0]])
+        if result[g]:
+            continue
+        repeats = span / max(float(np.median(dist[s0:e0])), 1.0)
+        if repeats >= settings.loop_min_repeats:
+            result[g] = True
+    return result
+
+
+def identify_languages(answers: list[str], settings: QualitySettings) -> list[tuple[str | None, float | None]]:
+    """`identify_language` of many answers: the same values, the Naive Bayes scoring of all of them in one
+    gather and sum (the per-text DFA walk stays)."""
+    from py3langid.langid import visit_counts
+
+    ident = _identifier()
+    out: list[tuple[str | None, float | None]] = [(None, None)] * len(answers)
+    todo: list[int] = []
+    encoded: list[bytes] = []
+    feats: list[np.ndarray] = []
+    cnts: list[np.ndarray] = []
+    for i, answer in enumerate(answers):
+        if not answer:
+            continue
+        prose = prose_of(answer)
+        if sum(1 for _ in islice(_LETTER.finditer(prose), settings.language_min_chars)) < settings.language_min_chars:
+            continue
+        text = ident._encode(prose)
+        visits = visit_counts(ident.tk_nextmove, ident._rowbase, ident.tk_output, text)
+        if not visits:
+            out[i] = identify_language(answer, settings)  # no features: py3langid's own fallback
+            continue
+        todo.append(i)
+        encoded.append(text)
+        feats.append(np.fromiter(visits.keys(), dtype=np.intp, count=len(visits)))
+        cnts.append(np.fromiter(visits.values(), dtype=np.float32, count=len(visits)))
+    if not todo:
+        return out
+    idx = np.concatenate(feats)
+    weights = np.log1p(np.concatenate(cnts))
+    contrib = ident.nb_ptc[idx] * weights[:, None]
+    starts = np.concatenate(([0], np.cumsum([len(f) for f in feats])[:-1]))
+    scores = np.add.reduceat(contrib, starts, axis=0) + ident.nb_pc
+    for row, i, text in zip(scores, todo, encoded):
+        out[i] = _decided(ident, row.astype(np.float32), len(text), settings)
+    return out
+
+
+def _decided(ident: Any, scores: np.ndarray, n_bytes: int, settings: QualitySettings) -> tuple[str | None, float | None]:
+    """py3langid's normalisation and alias folding (LanguageIdentifier._decide after the raw score), then
+    identify_language's rule."""
+    import math
+
+    scores = scores * (1.0 / math.sqrt(n_bytes or 1))
+    np.exp(scores - scores.max(), out=scores)
+    scores /= scores.sum()
+    for i, j in ident._alias_pairs:
+        scores[i] += scores[j]
+        scores[j] = 0.0
+    best = int(scores.argmax())
+    lang, score = ident.nb_classes[best], round(float(scores[best]), 4)
+    if score < settings.language_min_score or lang == NO_LANGUAGE:
+        return None, score
+    return str(lang), score
