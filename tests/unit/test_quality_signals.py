@@ -212,8 +212,13 @@ def test_part_wise_signals_equal_the_row_wise_ones() -> None:
     rows = make_rows(60, 3)
     texts += [r["reasoning"] for r in rows] + [r["content"] for r in rows]
     texts += ["", "a", "  leading  and trailing  ", "3" * 5000, "word " * 300, "x" * 13 + " y" * 200]
+    import pyarrow as pa
+
     assert sg.loop_flags(texts, s).tolist() == [sg.is_loop(t, s) for t in texts]
+    assert sg.loop_flags(pa.array(texts + [None]), s).tolist() == [sg.is_loop(t, s) for t in texts] + [False]
     assert sum(sg.is_loop(t, s) for t in texts) >= 10
     answers = [t for t in texts if t.strip()]
     assert sg.identify_languages(answers, s) == [sg.identify_language(t, s) for t in answers]
     assert sg.part_row_signals(rows, s) == [sg.row_signals(r, s) for r in rows]
+    columns = {"reasoning": pa.array([r["reasoning"] for r in rows]), "content": pa.array([r["content"] for r in rows])}
+    assert sg.part_row_signals(rows, s, columns) == [sg.row_signals(r, s) for r in rows]

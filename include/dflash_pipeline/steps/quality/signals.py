@@ -76,10 +76,17 @@ def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048, min_span: 
     one's previous occurrence (no Python loop over tokens).
     """
     tokens = loop_tokens(text)
-    t = len(tokens) - ngram + 1
+    if len(tokens) - ngram + 1 < 2:
+        return []
+    return stretches_of_ids(np.array(list(map(hash, tokens)), dtype=np.int64).view(np.uint64), ngram, max_period,
+                            min_span)
+
+
+def stretches_of_ids(ids: np.ndarray, ngram: int, max_period: int, min_span: int) -> list[tuple[int, float]]:
+    """`loop_stretches` over token ids (uint64; equal tokens, equal ids)."""
+    t = len(ids) - ngram + 1
     if t < 2:
         return []
-    ids = np.array(list(map(hash, tokens)), dtype=np.int64).view(np.uint64)
     h = np.zeros(t, dtype=np.uint64)
     mult = np.uint64(0x100000001B3)
     with np.errstate(over="ignore"):
@@ -230,15 +237,21 @@ def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]
     return out
 
 
-def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings) -> list[dict[str, Any]]:
+def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings,
+                     columns: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all the
     part's single-turn texts in one vectorised pass (`loop_flags`) and language ID over the part's answers in
-    one batch (`identify_languages`). Multi-turn rows take `row_signals` itself."""
+    one batch (`identify_languages`). Multi-turn rows take `row_signals` itself. `columns`: the part's
+    `reasoning` and `content` as Arrow arrays (the same rows), so the loop pass reads them without a copy."""
     single = [i for i, r in enumerate(rows) if len(turns_of(r)) == 1]
     multi = set(range(len(rows))) - set(single)
     turns = {i: turns_of(rows[i])[0] for i in single}
-    loops_r = loop_flags([turns[i][0] for i in single], settings)
-    loops_a = loop_flags([turns[i][1] for i in single], settings)
+    if columns is not None and len(single) == len(rows):
+        loops_r = loop_flags(columns["reasoning"], settings)
+        loops_a = loop_flags(columns["content"], settings)
+    else:
+        loops_r = loop_flags([turns[i][0] for i in single], settings)
+        loops_a = loop_flags([turns[i][1] for i in single], settings)
     answers = {i: turns[i][1] for i in single if turns[i][1].strip()}
     langs = dict(zip(answers, identify_languages(list(answers.values()), settings)))
     out: list[dict[str, Any]] = []
@@ -258,113 +271,75 @@ def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings) -
     return out
 
 
-_LONG = PIECE
-_MIX = np.uint64(0x100000001B3)
-"""The n-gram hash multiplier of `loop_stretches` (the same rolling hash, over per-batch token ids)."""
 
 
-def _word_ids(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Loop tokens of non-CJK texts as per-batch integer ids (equal tokens, equal ids), and each text's token
-    count: whitespace words cut into PIECE-character pieces, as `loop_tokens` does, in pyarrow compute."""
+def _word_ids(texts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Loop tokens of non-CJK texts as per-batch integer ids (equal tokens, equal ids) and each text's token
+    count: whitespace words, a word longer than PIECE characters cut into PIECE-character pieces (as
+    `loop_tokens`). The split and the word ids come from pyarrow (C++); only distinct long words are cut in
+    Python, and their pieces are spliced in with numpy."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    words = pc.utf8_split_whitespace(pa.array(texts, type=pa.large_string()))
+    arr = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, type=pa.large_string())
+    words = pc.utf8_split_whitespace(pc.fill_null(arr, ""))
     flat = pc.list_flatten(words)
     parents = np.asarray(pc.list_parent_indices(words).to_numpy(zero_copy_only=False), dtype=np.int64)
-    lens = np.asarray(pc.utf8_length(flat).to_numpy(zero_copy_only=False), dtype=np.int64)
-    keep = lens > 0
-    pieces = np.where(keep, np.maximum(1, -(-lens // _LONG)), 0)
-    if (pieces > 1).any():
-        idx = np.repeat(np.arange(len(flat)), pieces)
-        starts = np.concatenate(([0], np.cumsum(pieces)[:-1]))
-        piece_no = np.arange(len(idx)) - np.repeat(starts, pieces)
-        parts: list[Any] = []
-        order: list[np.ndarray] = []
-        for j in range(int(piece_no.max()) + 1):
-            sel = np.flatnonzero(piece_no == j)
-            taken = pc.take(flat, pa.array(idx[sel]))
-            parts.append(pc.utf8_slice_codeunits(taken, j * _LONG, (j + 1) * _LONG))
-            order.append(sel)
-        pos = np.concatenate(order)
-        tokens = pa.concat_arrays(parts)
-        tokens = pc.take(tokens, pa.array(np.argsort(pos, kind="stable")))
-        parents = np.repeat(parents, pieces)
-    else:
-        tokens = pc.filter(flat, pa.array(keep))
-        parents = parents[keep]
-    enc = pc.dictionary_encode(tokens)
-    if hasattr(enc, "combine_chunks"):
-        enc = enc.combine_chunks()
-    ids = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    counts = np.bincount(parents, minlength=len(texts)).astype(np.int64)
+    enc = pc.dictionary_encode(flat)
+    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    vocab = enc.dictionary.to_pylist()
+    # each distinct word -> the ids of its pieces (a short word: itself; "" from a leading space: nothing)
+    ids_of: dict[str, int] = {}
+    pieces: list[list[int]] = []
+    for w in vocab:
+        cut = [w] if len(w) <= PIECE else [w[k:k + PIECE] for k in range(0, len(w), PIECE)]
+        pieces.append([ids_of.setdefault(p, len(ids_of)) for p in cut if p])
+    lens = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    flat_pieces = np.fromiter((x for p in pieces for x in p), dtype=np.int64, count=int(lens.sum()))
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    per_word = lens[idx]
+    start = np.repeat(offs[idx], per_word)
+    within = np.arange(int(per_word.sum())) - np.repeat(np.cumsum(per_word) - per_word, per_word)
+    ids = flat_pieces[start + within]
+    counts = np.bincount(np.repeat(parents, per_word), minlength=len(texts)).astype(np.int64)
     return ids, counts
 
 
-def loop_flags(texts: list[str], settings: QualitySettings) -> np.ndarray:
-    """`is_loop` of many texts at once: the same rule, one vectorised pass over all their tokens (texts with CJK
-    characters, whose tokens need the regex, go through `is_loop` one by one)."""
-    n = len(texts)
+def loop_flags(texts: Any, settings: QualitySettings) -> np.ndarray:
+    """`is_loop` of many texts at once (a list of str, or an Arrow string array: a part's column): the same
+    rule, their tokens split and numbered in one pyarrow pass; texts with CJK characters, whose tokens need
+    the regex, go through `is_loop` one by one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, type=pa.large_string())
+    arr = pc.fill_null(arr, "")
+    n = len(arr)
     out = np.zeros(n, dtype=bool)
-    todo = [i for i, t in enumerate(texts) if t and len(t) >= settings.loop_min_span_tokens]
-    if not todo:
-        return out
-    cjk = [i for i in todo if _CJK_RE.search(texts[i])]
-    for i in cjk:
-        out[i] = is_loop(texts[i], settings)
-    plain = [i for i in todo if i not in set(cjk)]
-    if not plain:
-        return out
-    ids, counts = _word_ids([texts[i] for i in plain])
-    for j, hit in zip(plain, _loops_in_segments(ids, counts, settings)):
-        out[j] = hit
+    lens = np.asarray(pc.utf8_length(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
+    cjk = np.asarray(pc.match_substring_regex(arr, f"[{_CJK}]").to_numpy(zero_copy_only=False), dtype=bool)
+    todo = lens >= settings.loop_min_span_tokens
+    for i in np.flatnonzero(todo & cjk).tolist():
+        out[i] = is_loop(arr[i].as_py(), settings)
+    plain = np.flatnonzero(todo & ~cjk)
+    if len(plain):
+        ids, counts = _word_ids(pc.take(arr, pa.array(plain)))
+        out[plain] = _loops_in_segments(ids, counts, settings)
     return out
 
 
 def _loops_in_segments(ids: np.ndarray, counts: np.ndarray, settings: QualitySettings) -> np.ndarray:
-    """The loop rule of `loop_stretches` over consecutive segments of token ids (one per text), vectorised."""
-    ngram, max_period, min_span = settings.loop_ngram, settings.loop_max_period, settings.loop_min_span_tokens
-    seg = np.repeat(np.arange(len(counts)), counts)
-    total = len(ids)
+    """`is_loop` of each consecutive segment of token ids (one per text): the same numpy core per text, without
+    its Python tokenising and hashing (one sort per text: a text's sort is cache-sized, a part's is not)."""
     result = np.zeros(len(counts), dtype=bool)
-    t = total - ngram + 1
-    if t < 2:
-        return result
     vals = (ids + 1).astype(np.uint64)
-    h = np.zeros(t, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(ngram):
-            h = h * _MIX + vals[k:k + t]
-    # an n-gram is valid when it lies inside one text
-    valid = seg[:t] == seg[ngram - 1:ngram - 1 + t]
-    pos = np.flatnonzero(valid)
-    if len(pos) < 2:
-        return result
-    hv, sv = h[pos], seg[pos].astype(np.uint64)
-    order = np.lexsort((hv, sv))  # by segment, then hash; stable within equal keys (lexsort is stable)
-    hs, ss = hv[order], sv[order]
-    same = (hs[1:] == hs[:-1]) & (ss[1:] == ss[:-1])
-    prev = np.full(len(pos), -1, dtype=np.int64)
-    prev[order[1:][same]] = order[:-1][same]
-    dist = np.where(prev >= 0, pos - pos[np.maximum(prev, 0)], 0)
-    rep = (prev >= 0) & (dist <= max_period)
-    if not rep.any():
-        return result
-    # unbroken stretches of repeats, within a text: consecutive valid positions in the same segment
-    brk = np.ones(len(pos) + 1, dtype=bool)
-    brk[1:-1] = ~rep[1:] | ~rep[:-1] | (pos[1:] != pos[:-1] + 1)
-    r = np.flatnonzero(rep)
-    starts_ = r[brk[r]]
-    ends_ = np.flatnonzero(rep & brk[1:]) + 1
-    spans = ends_ - starts_ + ngram - 1
-    long = spans >= min_span
-    for s0, e0, span in zip(starts_[long].tolist(), ends_[long].tolist(), spans[long].tolist()):
-        g = int(seg[pos[s0]])
-        if result[g]:
+    ends = np.cumsum(counts)
+    for g, (b, e) in enumerate(zip((ends - counts).tolist(), ends.tolist())):
+        if e - b < settings.loop_min_span_tokens:  # as is_loop: a text shorter than the span holds no loop
             continue
-        repeats = span / max(float(np.median(dist[s0:e0])), 1.0)
-        if repeats >= settings.loop_min_repeats:
-            result[g] = True
+        result[g] = any(span >= settings.loop_min_span_tokens and repeats >= settings.loop_min_repeats
+                        for span, repeats in stretches_of_ids(vals[b:e], settings.loop_ngram,
+                                                              settings.loop_max_period, settings.loop_min_span_tokens))
     return result
 
 

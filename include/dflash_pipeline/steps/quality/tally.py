@@ -148,7 +148,10 @@ def part_signals(rows: pa.Table, settings: QualitySettings) -> list[dict[str, An
     once (signals.loop_flags: one vectorised pass instead of one per text) and language ID batched."""
     from dflash_pipeline.steps.quality.signals import part_row_signals
 
-    return part_row_signals(rows.to_pylist(), settings)
+    names = rows.column_names
+    columns = ({"reasoning": rows.column("reasoning"), "content": rows.column("content")}
+               if "reasoning" in names and "content" in names else None)
+    return part_row_signals(rows.to_pylist(), settings, columns)
 
 
 def pool_size(settings: QualitySettings, planned_rows: int) -> int:
