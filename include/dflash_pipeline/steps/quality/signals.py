@@ -314,6 +314,8 @@ def loop_flags(texts: Any, settings: QualitySettings) -> np.ndarray:
 
     arr = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, type=pa.large_string())
     arr = pc.fill_null(arr, "")
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
     n = len(arr)
     out = np.zeros(n, dtype=bool)
     lens = np.asarray(pc.utf8_length(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
