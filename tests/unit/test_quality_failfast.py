@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_pipeline.steps.quality.live import limits_from, merge_groups, surely_above, verdict, wilson_lower, z_at
+from dflash_pipeline.steps.quality.live import (limits_from, merge_groups, surely_above, verdict, verdicts,
+                                                wilson_lower, z_at)
 
 LIMITS = limits_from(max_truncation_rate=0.10, max_missing_reasoning_rate=0.005, max_loop_rate=0.05)
 PART = 500
@@ -35,10 +36,11 @@ HEALTHY = {"truncated": 0.0465, "loop": 0.01, "missing": 0.0005}
 
 
 def first_stop(groups_stream) -> tuple[int, str] | None:
+    """Rows in when the first task is told to stop (a server alone, or the whole run), and the message."""
     for groups in groups_stream:
-        msg = verdict(groups, LIMITS)
-        if msg:
-            return sum(g["completions"] for g in groups), msg
+        found = verdicts(groups, LIMITS)
+        if found:
+            return sum(g["completions"] for g in groups), next(iter(found.values()))
     return None
 
 
@@ -51,15 +53,26 @@ def test_planted_faults_stop_within_a_bounded_number_of_rows_and_name_the_server
         assert got is not None, seed
         rows, msg = got
         worst = max(worst, rows)
-        assert "truncation rate" in msg and "max_truncation_rate=0.1" in msg and "gpu-1" in msg
-        assert "alone are above the limit" in msg and "Raise max_tokens" in msg and "fail_fast: false" in msg
+        assert "server gpu-1 alone breaks max_truncation_rate=0.1" in msg and "truncation rate is 100.0%" in msg
+        assert "Raise max_tokens" in msg and "fail_fast: false" in msg
     assert worst <= 3 * PART  # the first round of parts: one from each server
     for seed in range(20):
         rng = np.random.default_rng(100 + seed)
         got = first_stop(stream(rng, {"gpu-0": HEALTHY, "gpu-1": HEALTHY, "gpu-2": dict(HEALTHY, loop=1.0)},
                                 parts=60))
         assert got is not None and got[0] <= 3 * PART, seed
-        assert "repetition-loop" in got[1] and "gpu-2" in got[1] and "max_loop_rate=0.05" in got[1]
+        assert "server gpu-2 alone breaks max_loop_rate=0.05" in got[1]
+
+
+def test_a_fleet_wide_fault_stops_the_whole_run_with_each_server_named() -> None:
+    rng = np.random.default_rng(5)
+    bad = {"truncated": 0.4, "loop": 0.0}
+    got = first_stop(stream(rng, {f"gpu-{i}": bad for i in range(3)}, parts=30))
+    assert got is not None and got[0] <= 3 * PART
+    groups = list(stream(np.random.default_rng(5), {f"gpu-{i}": bad for i in range(3)}, parts=3))[-1]
+    msg = verdicts(groups, LIMITS)[None]
+    assert "the truncation rate is" in msg and "By server: gpu-0:" in msg and "gpu-2:" in msg
+    assert "trigger a new run into the same output_uri" in msg and verdict(groups, LIMITS) == msg
 
 
 def test_healthy_runs_never_stop_over_many_seeds() -> None:

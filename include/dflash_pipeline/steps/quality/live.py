@@ -173,17 +173,68 @@ def verdict(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], *, alp
     return None
 
 
+SERVER_MIN_ROWS = 50
+"""Rows of one server before its own figures are judged (the same alpha spending from there)."""
+
+
+def server_verdict(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], server: str, *,
+                   alpha: float = ALPHA) -> str | None:
+    """A message when `server` alone breaks a limit: its own rate is surely above it while the rest of the fleet's
+    is not (a different model, template or sampling behind that one server). Its task stops; its chunks go to
+    the other servers. None otherwise (a fleet-wide problem is `verdict`'s)."""
+    own = sum_groups(g for g in groups if g["server"] == server)
+    rest = sum_groups(g for g in groups if g["server"] != server)
+    for lim in limits:
+        k, n = own[lim.numerator], own[lim.denominator]
+        rk, rn = rest[lim.numerator], rest[lim.denominator]
+        if rn < SERVER_MIN_ROWS or not surely_above(k, n, lim.limit, alpha, SERVER_MIN_ROWS):
+            continue
+        if rk / rn > lim.limit or surely_above(rk, rn, lim.limit, alpha, MIN_ROWS):
+            continue  # the others are no better: the fleet's problem (verdict)
+        lower = wilson_lower(k, n, z_at(n, alpha, SERVER_MIN_ROWS))
+        return (f"stopped early: server {server} alone breaks {lim.param}={lim.limit:g}: its {lim.figure} rate is "
+                f"{k / n:.1%} ({k:,} of {n:,} rows; lower confidence bound {lower:.1%}) while the other servers' is "
+                f"{rk / rn:.1%} of {rn:,}. Check the model, chat template and sampling behind {server}. "
+                f"{lim.advice} Its chunks go to the other servers; clear this task (or trigger a new run into the same "
+                "output_uri) once it is fixed. `fail_fast: false` turns this check off.")
+    return None
+
+
+def verdicts(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], *, alpha: float = ALPHA) -> dict[str | None, str]:
+    """Who must stop: each server that alone breaks a limit (`server_verdict`: its task stops, the others carry
+    on), and under the key None the whole run when the fleet without those servers still surely breaks one
+    (`verdict`)."""
+    servers = sorted({str(g["server"]) for g in groups})
+    out: dict[str | None, str] = {}
+    changed = True
+    while changed:  # a server already named is not "the others" of the next (two faulty servers, two faults)
+        changed = False
+        for s in servers:
+            if s in out:
+                continue
+            msg = server_verdict([g for g in groups if g["server"] not in out], limits, s, alpha=alpha)
+            if msg is not None:
+                out[s] = msg
+                changed = True
+    fleet = verdict([g for g in groups if g["server"] not in out], limits, alpha=alpha)
+    if fleet is not None:
+        out[None] = fleet
+    return out
+
+
 def limits_from(max_truncation_rate: float, max_missing_reasoning_rate: float, max_loop_rate: float | None,
                 max_empty_answer_rate: float | None = None) -> list[Limit]:
-    """The run's limits on live figures (validation fails on the same ones)."""
-    out = [Limit("max_truncation_rate", "truncation", "truncated", "completions", max_truncation_rate,
-                 "Raise max_tokens (thinking is cut at max_tokens), or check the server's context and template."),
-           Limit("max_missing_reasoning_rate", "missing-reasoning", "reasoning_missing", "completions_thinking",
-                 max_missing_reasoning_rate, "Start the servers with a reasoning parser (SGLang --reasoning-parser "
-                 "qwen3) or check the chat template's thinking switch.")]
+    """The run's limits on live figures (validation fails on the same ones), the most specific cause first: a
+    looping model's rows are also cut at max_tokens, and the loop is what to fix."""
+    out = []
     if max_loop_rate is not None:
         out.append(Limit("max_loop_rate", "repetition-loop", "loop", "completions", max_loop_rate,
                          "Check temperature/top_p (greedy decoding loops), the model and its chat template."))
+    out += [Limit("max_missing_reasoning_rate", "missing-reasoning", "reasoning_missing", "completions_thinking",
+                  max_missing_reasoning_rate, "Start the servers with a reasoning parser (SGLang --reasoning-parser "
+                  "qwen3) or check the chat template's thinking switch."),
+            Limit("max_truncation_rate", "truncation", "truncated", "completions", max_truncation_rate,
+                  "Raise max_tokens (thinking is cut at max_tokens), or check the server's context and template.")]
     if max_empty_answer_rate is not None:
         out.append(Limit("max_empty_answer_rate", "empty-answer", "empty_answer", "completions", max_empty_answer_rate,
                          "Check the chat template and the reasoning parser."))

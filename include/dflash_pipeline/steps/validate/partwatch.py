@@ -6,8 +6,9 @@ queues the bytes (a full queue drops the part: validation computes its digest) a
 chunk protocol is untouched. One watcher thread owns everything else: it reads the chunk's planned ids,
 makes the digest (digest.py, the same function validation uses), writes it, folds it into the task's
 LiveTally, writes `runs/<run_id>/quality/<worker>.json`, reads the other tasks' figures of this run and,
-with fail_fast on, asks the worker to stop (`on_stop(message)`) once a figure is surely above its limit
-(steps/quality/live.py). A kill between a part and its digest loses only the digest: validation
+with fail_fast on, asks the worker to stop (`on_stop(message)`) once a figure of the fleet is surely above
+its limit, or its own server's alone is (steps/quality/live.py: `verdicts`; a server that alone breaks a
+limit stops alone, the others carry on). A kill between a part and its digest loses only the digest: validation
 computes it from the part. `close(timeout_s)` drains the queue at the task's end.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store, with_retries
-from dflash_pipeline.steps.quality.live import Limit, LiveTally, merge_groups, verdict
+from dflash_pipeline.steps.quality.live import Limit, LiveTally, merge_groups, verdicts
 from dflash_pipeline.steps.validate.digest import DigestContext
 from dflash_pipeline.steps.validate.run import digest_of_part, planned_ids, write_digest
 
@@ -42,12 +43,13 @@ class PartWatcher:
 
     def __init__(self, store: Store, layout: DatasetLayout, ctx: DigestContext, *, run_id: str, worker: str,
                  limits: Sequence[Limit], fail_fast: bool, on_stop: Callable[[str], None] | None = None,
-                 store_deadline_s: float = 60.0) -> None:
+                 store_deadline_s: float = 60.0, server: str | None = None) -> None:
         self.store = store
         self.layout = layout
         self.ctx = ctx
         self.run_id = run_id
         self.worker = worker
+        self.server = server
         self.limits = list(limits)
         self.fail_fast = fail_fast
         self.on_stop = on_stop
@@ -55,6 +57,8 @@ class PartWatcher:
         languages = ctx.quality.languages if ctx.quality is not None else None
         self.live = LiveTally(ctx.thinking, languages)
         self.verdict: str | None = None
+        self.verdict_groups: list[dict[str, Any]] = []
+        """The fleet's figures the verdict was reached on."""
         self.dropped = 0
         self.digests_written = 0
         self._q: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=QUEUE_PARTS)
@@ -110,10 +114,14 @@ class PartWatcher:
         return docs
 
     def _check(self) -> None:
-        msg = verdict(merge_groups(self.fleet_docs()), self.limits)
+        groups = merge_groups(self.fleet_docs())
+        found = verdicts(groups, self.limits)
+        msg = found.get(self.server) if self.server is not None else None
+        msg = msg or found.get(None)
         if msg is None:
             return
         self.verdict = msg
+        self.verdict_groups = groups
         logger.error("%s", msg)
         if self.on_stop is not None:
             self.on_stop(msg)
