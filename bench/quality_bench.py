@@ -196,14 +196,13 @@ def bench_part_wise(n: int, seed: int, part_rows: int = 500, tokenizer: str | No
     rows = make_rows(n, seed)
     sg.identify_language("warm up the identifier model, loaded once per process", s)
     parts = [rows[i:i + part_rows] for i in range(0, n, part_rows)]
-    answers = [[r["content"] for r in p] for p in parts]
     cases = {
         "loop, reasoning": (lambda: [sg.is_loop(r["reasoning"], s) for r in rows],
                             lambda: [sg.loop_flags([r["reasoning"] for r in p], s) for p in parts]),
         "loop, answer": (lambda: [sg.is_loop(r["content"], s) for r in rows],
                          lambda: [sg.loop_flags([r["content"] for r in p], s) for p in parts]),
         "language": (lambda: [sg.identify_language(r["content"], s) for r in rows],
-                     lambda: [sg.identify_languages(a, s) for a in answers]),
+                     lambda: [sg.identify_language(r["content"], s) for r in rows]),
         "refusal": (lambda: [sg.is_refusal(r["content"], s) for r in rows],
                     lambda: [sg.is_refusal(r["content"], s) for r in rows]),
         "row_signals (all)": (lambda: [sg.row_signals(r, s) for r in rows],

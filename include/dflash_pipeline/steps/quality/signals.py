@@ -240,8 +240,9 @@ def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]
 def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings,
                      columns: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all the
-    part's single-turn texts in one vectorised pass (`loop_flags`) and language ID over the part's answers in
-    one batch (`identify_languages`). Multi-turn rows take `row_signals` itself. `columns`: the part's
+    part's single-turn texts in one vectorised pass (`loop_flags`); language ID stays per answer (batching
+    py3langid's scoring did not pay: its per-text DFA walk in Python dominates, docs/quality.md). Multi-turn
+    rows take `row_signals` itself. `columns`: the part's
     `reasoning` and `content` as Arrow arrays (the same rows), so the loop pass reads them without a copy."""
     single = [i for i, r in enumerate(rows) if len(turns_of(r)) == 1]
     multi = set(range(len(rows))) - set(single)
@@ -252,8 +253,7 @@ def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings,
     else:
         loops_r = loop_flags([turns[i][0] for i in single], settings)
         loops_a = loop_flags([turns[i][1] for i in single], settings)
-    answers = {i: turns[i][1] for i in single if turns[i][1].strip()}
-    langs = dict(zip(answers, identify_languages(list(answers.values()), settings)))
+    langs = {i: identify_language(turns[i][1], settings) for i in single if turns[i][1].strip()}
     out: list[dict[str, Any]] = []
     k = 0
     for i, row in enumerate(rows):
@@ -343,59 +343,3 @@ def _loops_in_segments(ids: np.ndarray, counts: np.ndarray, settings: QualitySet
                         for span, repeats in stretches_of_ids(vals[b:e], settings.loop_ngram,
                                                               settings.loop_max_period, settings.loop_min_span_tokens))
     return result
-
-
-def identify_languages(answers: list[str], settings: QualitySettings) -> list[tuple[str | None, float | None]]:
-    """`identify_language` of many answers: the same values, the Naive Bayes scoring of all of them in one
-    gather and sum (the per-text DFA walk stays)."""
-    from py3langid.langid import visit_counts
-
-    ident = _identifier()
-    out: list[tuple[str | None, float | None]] = [(None, None)] * len(answers)
-    todo: list[int] = []
-    encoded: list[bytes] = []
-    feats: list[np.ndarray] = []
-    cnts: list[np.ndarray] = []
-    for i, answer in enumerate(answers):
-        if not answer:
-            continue
-        prose = prose_of(answer)
-        if sum(1 for _ in islice(_LETTER.finditer(prose), settings.language_min_chars)) < settings.language_min_chars:
-            continue
-        text = ident._encode(prose)
-        visits = visit_counts(ident.tk_nextmove, ident._rowbase, ident.tk_output, text)
-        if not visits:
-            out[i] = identify_language(answer, settings)  # no features: py3langid's own fallback
-            continue
-        todo.append(i)
-        encoded.append(text)
-        feats.append(np.fromiter(visits.keys(), dtype=np.intp, count=len(visits)))
-        cnts.append(np.fromiter(visits.values(), dtype=np.float32, count=len(visits)))
-    if not todo:
-        return out
-    idx = np.concatenate(feats)
-    weights = np.log1p(np.concatenate(cnts))
-    contrib = ident.nb_ptc[idx] * weights[:, None]
-    starts = np.concatenate(([0], np.cumsum([len(f) for f in feats])[:-1]))
-    scores = np.add.reduceat(contrib, starts, axis=0) + ident.nb_pc
-    for row, i, text in zip(scores, todo, encoded):
-        out[i] = _decided(ident, row.astype(np.float32), len(text), settings)
-    return out
-
-
-def _decided(ident: Any, scores: np.ndarray, n_bytes: int, settings: QualitySettings) -> tuple[str | None, float | None]:
-    """py3langid's normalisation and alias folding (LanguageIdentifier._decide after the raw score), then
-    identify_language's rule."""
-    import math
-
-    scores = scores * (1.0 / math.sqrt(n_bytes or 1))
-    np.exp(scores - scores.max(), out=scores)
-    scores /= scores.sum()
-    for i, j in ident._alias_pairs:
-        scores[i] += scores[j]
-        scores[j] = 0.0
-    best = int(scores.argmax())
-    lang, score = ident.nb_classes[best], round(float(scores[best]), 4)
-    if score < settings.language_min_score or lang == NO_LANGUAGE:
-        return None, score
-    return str(lang), score

@@ -154,11 +154,6 @@ def part_signals(rows: pa.Table, settings: QualitySettings) -> list[dict[str, An
     return part_row_signals(rows.to_pylist(), settings, columns)
 
 
-def pool_size(settings: QualitySettings, planned_rows: int) -> int:
-    """Kept for callers of the old in-task pool: validation merges per-part digests now (one process)."""
-    return 1
-
-
 class QualityTally:
     """Folds part digests into the quality counts and streams signals.parquet (one row per completion, in
     part order), with each row's near_duplicate flag from the prompts' near-duplicates (known before the
