@@ -303,7 +303,10 @@ class Tallies:
             self.labels.add(table)
             if self.signals is not None:
                 self.signals.add_digest(table)
-            self.mix.add(table, self.thinking)
+            # the mix counts languages from the signals' tally (use_languages: "undetermined" included), not
+            # from the digest's per-row `language` column
+            self.mix.add(table.drop_columns(["language"]) if "language" in table.column_names else table,
+                         self.thinking)
         self.v.add_digest(d)
 
     def close(self) -> None:
