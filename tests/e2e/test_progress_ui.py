@@ -64,7 +64,7 @@ def _run_path(run_id: str) -> str:
 
 
 def _view(stack: AirflowStack, run_id: str) -> dict[str, Any]:
-    resp = stack.rest("GET", f"/dflash/api/runs/{_run_path(run_id)}")
+    resp = stack.rest("GET", f"/dflash/api/runs/{_run_path(run_id)}", timeout_s=120)  # a loaded 2-core runner
     assert resp.status_code == 200, resp.text[:500]
     return dict(resp.json())
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_pipeline.steps.quality.live import (limits_from, merge_groups, surely_above, verdict, verdicts,
+from dflash_pipeline.monitor.livequality import merge_groups
+from dflash_pipeline.steps.quality.live import (limits_from, surely_above, verdict, verdicts,
                                                 wilson_lower, z_at)
 
 LIMITS = limits_from(max_truncation_rate=0.10, max_missing_reasoning_rate=0.005, max_loop_rate=0.05)

@@ -18,6 +18,7 @@ prompt file sorted by difficulty can still stop a run whose final rate would pas
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -27,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_pipeline.monitor.livequality import FIGURES, sum_groups, live_view, merge_groups, rates_of  # noqa: F401
+from dflash_pipeline.monitor.livequality import FIGURES, sum_groups
 
 ALPHA = 1e-3
 MIN_ROWS = 200
@@ -122,7 +123,11 @@ class Limit:
 
 def z_at(n: int, alpha: float = ALPHA, min_rows: int = MIN_ROWS) -> float:
     """The z of the grid point `n` rows have reached (module docstring: alpha spent over the grid)."""
-    j = 1 + int(math.floor(math.log(max(n, min_rows) / min_rows) / math.log(GRID_RATIO)))
+    return _z(1 + int(math.floor(math.log(max(n, min_rows) / min_rows) / math.log(GRID_RATIO))), alpha)
+
+
+@lru_cache(maxsize=1024)
+def _z(j: int, alpha: float) -> float:
     return NormalDist().inv_cdf(1 - alpha * 6 / (math.pi ** 2 * j * j))
 
 
@@ -180,10 +185,14 @@ SERVER_MIN_ROWS = 50
 def server_verdict(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], server: str, *,
                    alpha: float = ALPHA) -> str | None:
     """A message when `server` alone breaks a limit: its own rate is surely above it while the rest of the fleet's
-    is not (a different model, template or sampling behind that one server). Its task stops; its chunks go to
-    the other servers. None otherwise (a fleet-wide problem is `verdict`'s)."""
-    own = sum_groups(g for g in groups if g["server"] == server)
-    rest = sum_groups(g for g in groups if g["server"] != server)
+    is within it (a different model, template or sampling behind that one server). Its task stops; its chunks go
+    to the other servers. None otherwise (a fleet-wide problem is `verdict`'s)."""
+    return _alone(sum_groups(g for g in groups if g["server"] == server),
+                  sum_groups(g for g in groups if g["server"] != server), limits, server, alpha)
+
+
+def _alone(own: Mapping[str, int], rest: Mapping[str, int], limits: Sequence[Limit], server: str,
+           alpha: float) -> str | None:
     for lim in limits:
         k, n = own[lim.numerator], own[lim.denominator]
         rk, rn = rest[lim.numerator], rest[lim.denominator]
@@ -204,18 +213,20 @@ def verdicts(groups: Sequence[Mapping[str, Any]], limits: Sequence[Limit], *, al
     """Who must stop: each server that alone breaks a limit (`server_verdict`: its task stops, the others carry
     on), and under the key None the whole run when the fleet without those servers still surely breaks one
     (`verdict`)."""
-    servers = sorted({str(g["server"]) for g in groups})
+    per = {s: sum_groups(g for g in groups if g["server"] == s) for s in sorted({str(g["server"]) for g in groups})}
     out: dict[str | None, str] = {}
     changed = True
     while changed:  # a server already named is not "the others" of the next (two faulty servers, two faults)
         changed = False
-        for s in servers:
+        rest_all = sum_groups(v for s, v in per.items() if s not in out)
+        for s, own in per.items():
             if s in out:
                 continue
-            msg = server_verdict([g for g in groups if g["server"] not in out], limits, s, alpha=alpha)
+            msg = _alone(own, {f: rest_all[f] - own[f] for f in rest_all}, limits, s, alpha)
             if msg is not None:
                 out[s] = msg
                 changed = True
+                break
     fleet = verdict([g for g in groups if g["server"] not in out], limits, alpha=alpha)
     if fleet is not None:
         out[None] = fleet

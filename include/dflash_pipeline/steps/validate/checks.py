@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_pipeline.dataset.records import unit_keys
-from dflash_pipeline.steps.validate.digest import THINK_MARKER_RE, has_think_markers, stable_hash  # noqa: F401
+from dflash_pipeline.steps.validate.digest import stable_hash
 from dflash_pipeline.steps.validate.histogram import Histogram
 from dflash_pipeline.steps.validate.tally import (
     LIST_LIMIT,

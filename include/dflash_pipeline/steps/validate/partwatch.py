@@ -24,7 +24,8 @@ from typing import Any
 
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store, with_retries
-from dflash_pipeline.steps.quality.live import Limit, LiveTally, merge_groups, verdicts
+from dflash_pipeline.monitor.livequality import merge_groups
+from dflash_pipeline.steps.quality.live import Limit, LiveTally, verdicts
 from dflash_pipeline.steps.validate.digest import DigestContext
 from dflash_pipeline.steps.validate.run import digest_of_part, planned_ids, write_digest
 
