@@ -19,6 +19,11 @@ The intervals, each computed by the function the report calls (so what is measur
 - and, for reference, "before": what the report printed until issue 37 (scipy BCa over rows taken as
   independent), on the single and the pooled rows.
 
+`--power` then measures what the paired comparison buys: two drafters a small gap apart (B accepts
+each step's drafts at POWER_FACTOR x A's per-step rate, on the same prompts), the share of
+repetitions in which their separate intervals are disjoint and in which the paired difference's
+interval excludes 0 (the ranking's "separable").
+
 The rows (a prompt: tokens T, per-step acceptance p; a row: verify steps S = T / (1 + g(p)) and the
 accepted drafts of S steps, each step accepting n = 0..k drafts with P(n) = p^n (1 - p), P(k) = p^k;
 g(p) = Σ_{i=1..k} p^i; k = 4):
@@ -51,6 +56,7 @@ from dflash_pipeline.steps.validate.acceptance import AcceptanceTally  # noqa: E
 K = 4
 P_MEAN, P_CONC = 0.6, 4.0
 B_FACTOR = 0.9
+POWER_FACTOR = 0.96
 ROWS_PER_PROMPT = 4
 LENGTHS = ("homogeneous", "job-like", "heavy-tailed")
 
@@ -83,7 +89,7 @@ def prompts(rng: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np
     return tokens(rng, n, kind), rng.beta(P_MEAN * P_CONC, (1 - P_MEAN) * P_CONC, size=n)
 
 
-def truths(kind: str) -> dict[str, float]:
+def truths(kind: str, b_factor: float = B_FACTOR) -> dict[str, float]:
     """Population values (expected accepted drafts per step given S and p, summed over many prompts)."""
     rng = np.random.default_rng(20_370)
     t, p = prompts(rng, 2_000_000, kind)
@@ -92,7 +98,7 @@ def truths(kind: str) -> dict[str, float]:
     jit = t[:, None] * rng.lognormal(0, 0.3, size=(len(t), ROWS_PER_PROMPT))
     sj = steps_of(jit, p[:, None])
     pooled = 1 + float((sj * g(p)[:, None]).sum() / sj.sum())
-    pb = B_FACTOR * p
+    pb = b_factor * p
     sb = steps_of(t, pb)
     diff = single - (1 + float((sb * g(pb)).sum() / sb.sum()))
     return {"single": single, "pooled": pooled, "diff": diff}
@@ -102,13 +108,13 @@ def rows_for(ids: list[str], s: np.ndarray, a: np.ndarray) -> list[dict[str, Any
     return [{"id": i, "spec_verify_steps": int(x), "spec_accepted_tokens": int(y)} for i, x, y in zip(ids, s, a)]
 
 
-def draw(rng: np.random.Generator, n: int, kind: str) -> dict[str, Any]:
+def draw(rng: np.random.Generator, n: int, kind: str, b_factor: float = B_FACTOR) -> dict[str, Any]:
     """One repetition's data: n prompts, one row each (drafter A and B), and 4 rows each (pooled)."""
     t, p = prompts(rng, n, kind)
     ids = [f"q{i}" for i in range(n)]
     s = steps_of(t, p)
     a = accepted_of(rng, s, p)
-    pb = B_FACTOR * p
+    pb = b_factor * p
     sb = steps_of(t, pb)
     ab = accepted_of(rng, sb, pb)
     tj = t[:, None] * rng.lognormal(0, 0.3, size=(n, ROWS_PER_PROMPT))
@@ -190,13 +196,41 @@ MEASURES: list[Measure] = [
 ]
 
 
+def power(reps: int, sizes: list[int], kinds: list[str], confidence: float) -> None:
+    """Separate intervals against the paired difference, two drafters POWER_FACTOR apart."""
+    print(f"\ntwo drafters on the same prompts, B's per-step acceptance {POWER_FACTOR} x A's; share of "
+          f"{reps} repetitions in which the intervals tell them apart\n")
+    print("| lengths | true gap | prompts | separate intervals disjoint | paired interval excludes 0 |")
+    print("|---|---|---|---|---|")
+    for kind in kinds:
+        gap = truths(kind, POWER_FACTOR)["diff"]
+        for n in sizes:
+            rng = np.random.default_rng(7000 + n + LENGTHS.index(kind))
+            disjoint = paired_sep = 0
+            for _ in range(reps):
+                d = draw(rng, n, kind, POWER_FACTOR)
+                fa = specstats.group_figure(d["a"], confidence=confidence).to_dict()
+                fb = specstats.group_figure(d["b"], confidence=confidence).to_dict()
+                if fa["ci_low"] is not None and fb["ci_low"] is not None:
+                    disjoint += fa["ci_low"] > fb["ci_high"] or fb["ci_low"] > fa["ci_high"]
+                paired_sep += bool(specstats.paired_difference(d["a"], d["b"], confidence=confidence)["separable"])
+            print(f"| {kind} | {gap:.3f} | {n} | {disjoint / reps:.2f} | {paired_sep / reps:.2f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=400)
     ap.add_argument("--sizes", default="3,10,30,100,300,3000")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--lengths", default=",".join(LENGTHS))
+    ap.add_argument("--power", action="store_true", help="also measure separate vs paired intervals")
+    ap.add_argument("--power-only", action="store_true")
+    ap.add_argument("--power-sizes", default="30,100,200")
     args = ap.parse_args(argv)
+    if args.power_only:
+        warnings.simplefilter("ignore")
+        power(args.reps, [int(x) for x in args.power_sizes.split(",")], args.lengths.split(","), args.confidence)
+        return 0
     sizes = [int(x) for x in args.sizes.split(",")]
     warnings.simplefilter("ignore")  # scipy's degenerate-resample warnings on 3-prompt samples
     started = time.monotonic()
@@ -235,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     cells[label].append("none")
         for label, _, _, _ in MEASURES:
             print(f"| {label} | {kind} | " + " | ".join(cells[label]) + f" | {args.confidence:.2f} |", flush=True)
+    if args.power:
+        power(args.reps, [int(x) for x in args.power_sizes.split(",")], args.lengths.split(","), args.confidence)
     print(f"\n{time.monotonic() - started:.0f} s")
     return 0
 

@@ -413,3 +413,12 @@ def test_markdown_names_each_intervals_method_and_never_claims_bca() -> None:
     assert "no interval: " in md and "prompts" in md
     dom = report["groups"]["A"]["greedy_think-on_c1"]["by_domain"]["math"]
     assert dom["ci_low"] is None and dom["prompts"] == 15 and dom["ci_note"].startswith("no interval: 15 prompt(s)")
+
+
+def test_answers_the_server_ended_before_any_draft_count_as_measured() -> None:
+    """vLLM answers a request that never had a draft with 0 steps: the server said so; the row has no
+    acceptance to weigh but the drafter was measured on it (the status's share counts it)."""
+    rows = [row(id=f"q{i}", verify=0 if i < 10 else 10, accepted=0 if i < 10 else 20) for i in range(40)]
+    fig = _fig(rows, 40)
+    assert fig["stats_reported"] == 40 and fig["status"] == "complete"
+    assert fig["acceptance"]["acceptance_length"] == pytest.approx(3.0)

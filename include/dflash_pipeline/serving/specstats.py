@@ -11,10 +11,20 @@ tokens in all; every step also yields one token of the target's own (the bonus /
 
 Across rows it is token-weighted: Σ(verify + accepted) / Σ verify, never the mean of per-row
 figures (short rows would weigh as much as long ones). This is vLLM's `mean_acceptance_length`
-and its `/metrics` figure `1 + Δaccepted / Δdrafts`. SGLang's own `spec_accept_length` is
-`completion_tokens / spec_verify_ct`: it also counts the token produced by prefill (and a stop
-token the draft never saw), so on a short output it reads higher than ours; we compute ours from
-its counters, not its ratio.
+and its `/metrics` figure `1 + Δaccepted / Δdrafts`. We compute ours from SGLang's counters, not
+from its own `spec_accept_length` = `completion_tokens / spec_verify_ct`, which differs from ours:
+a request's completion tokens are 1 + V + A - O (V verify steps, A accepted drafts as the server
+counts them; the 1 is the token the prefill produces; O the drafts counted as accepted in the last
+step but dropped because the answer ended inside it, past its stop token or max_tokens), so
+
+    spec_accept_length - ours = (1 - O) / V.
+
+It reads higher by 1/V where the server counts only the drafts it kept (O = 0: SGLang's DFlash
+`verify` counts `appended - 1`), and lower where it counts drafts verified past the end and O > 1
+(SGLang's overlap scheduler takes the verify's accept length before the output stops at the stop
+token, `_resolve_spec_overlap_token_ids`). With DFlash's long blocks (up to 15 drafts a step) on a
+short answer, O is large and V small: 4 steps whose last accepted 12 drafts past the stop read
+10.0 there and 12.75 here. Either way the gap shrinks as 1 / V on long answers.
 
 `histogram[k]` is the number of verify steps that accepted exactly k draft tokens (k = 0 … draft
 length). Acceptance is a prefix, so position i (1-based) was accepted in every step with k >= i:

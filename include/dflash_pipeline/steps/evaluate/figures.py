@@ -17,7 +17,8 @@ Status of a (group, condition), worst first (STATUS_ORDER):
 - `failed`: nothing measured: no row with statistics (a drafter), no completion (the baseline);
 - `untrusted`: a /metrics cross-check of one of its servers found a mismatch or a restart;
 - `partial`: planned rows are missing, or fewer than MIN_STATS_SHARE of the planned rows carry
-  statistics (a drafter; completions for the baseline);
+  statistics (a drafter: rows whose server gave statistics, an answer with 0 verify steps included;
+  completions for the baseline);
 - `complete`: none of these.
 A cross-check that could not run (no /metrics, no counters) leaves the status alone and is reported
 as such (`crosscheck_verdict`).
@@ -220,7 +221,7 @@ def crosscheck_verdict(checks: Sequence[Mapping[str, Any]], family: str | None =
 def condition_status(fig: Mapping[str, Any], *, baseline: bool) -> tuple[str, list[str]]:
     """The status of one (group, condition) and why (module docstring)."""
     planned = fig.get("planned") or fig["rows"]
-    measured = fig["completions"] if baseline else fig["acceptance"]["rows_with_stats"]
+    measured = fig["completions"] if baseline else fig.get("stats_reported", fig["acceptance"]["rows_with_stats"])
     what = "completions" if baseline else "rows with statistics"
     if not measured:
         if not fig["completions"]:
@@ -253,6 +254,9 @@ def condition_figures(rows: Sequence[Mapping[str, Any]], docs: Sequence[Mapping[
         "truncated": sum(1 for r in done if r.get("finish_reason") == "length"),
         "output_tokens": sum(int(r.get("completion_tokens") or 0) for r in done),
         "acceptance": acceptance(done, confidence),
+        # completions whose server gave statistics, 0 verify steps included (an answer the server ended
+        # before any draft was measured: nothing to accept); the status's share counts these
+        "stats_reported": sum(1 for r in done if SpecStats.from_columns(r) is not None),
         "by_domain": {k: v.to_dict() for k, v in breakdown(done, domain_of, confidence=confidence).items()},
         "throughput": throughput(rows, docs, concurrency, n_servers),
         "crosscheck": crosscheck(rows, docs, engines),

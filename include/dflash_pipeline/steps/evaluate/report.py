@@ -100,11 +100,11 @@ def definitions(cfg: EvalConfig) -> dict[str, str]:
     return {
         "acceptance_length": "token-weighted over completions: sum(verify_steps + accepted_tokens) / "
         "sum(verify_steps) = 1 + accepted / verify steps (serving/specstats.py); vLLM's mean_acceptance_length "
-        "and 1 + d(accepted)/d(drafts) of its /metrics. SGLang's own spec_accept_length is completion_tokens / "
-        "verify steps (it counts the prefill's token, and a decode step without a draft as one token): it reads "
-        "above ours when the prefill's token dominates (short answers, acceptance near 1) and below ours when "
-        "steps overshoot the end of an answer (long drafts: a DFlash block accepts past the stop, and the tokens "
-        "past it are dropped)",
+        "and 1 + d(accepted)/d(drafts) of its /metrics. SGLang's own spec_accept_length (completion tokens / "
+        "verify steps) differs from ours by (1 - O) / V for a request of V verify steps, O being the drafts "
+        "counted as accepted in its last step but dropped past the answer's end: higher by 1/V where the server "
+        "counts only the drafts it kept, lower where it counts drafts past the end and O > 1 (long DFlash blocks "
+        "on short answers)",
         "ci": f"{cfg.confidence:.0%} interval over prompts (a prompt's rows resampled together); none under "
               f"{MIN_PROMPTS_FOR_CI} prompts; each interval names its method: "
               + "; ".join(f"{k}: {v}" for k, v in CI_METHODS.items()),
