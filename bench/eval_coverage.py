@@ -1,6 +1,7 @@
 """Measured coverage of every interval the eval and validation reports print, side by side with nominal.
 
-    .venv/bin/python bench/eval_coverage.py [--reps 400] [--sizes 3,10,30,100,300,3000] [--confidence 0.95]
+    .venv/bin/python bench/eval_coverage.py [--reps 300] [--reps-large 100] [--sizes 3,10,20,30,100,300,3000]
+        [--confidence 0.95] [--power]
 
 Each cell: the share of repetitions whose interval holds the truth, for that many prompts. Where the
 report prints no interval (fewer than specstats.MIN_PROMPTS_FOR_CI prompts) the cell reads
@@ -219,8 +220,10 @@ def power(reps: int, sizes: list[int], kinds: list[str], confidence: float) -> N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=400)
-    ap.add_argument("--sizes", default="3,10,30,100,300,3000")
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--reps-large", type=int, default=100,
+                    help=f"repetitions for sizes above {specstats.BOOTSTRAP_MAX_PROMPTS} prompts (the delta method)")
+    ap.add_argument("--sizes", default="3,10,20,30,100,300,3000")
     ap.add_argument("--confidence", type=float, default=0.95)
     ap.add_argument("--lengths", default=",".join(LENGTHS))
     ap.add_argument("--power", action="store_true", help="also measure separate vs paired intervals")
@@ -234,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     warnings.simplefilter("ignore")  # scipy's degenerate-resample warnings on 3-prompt samples
     started = time.monotonic()
-    print(f"coverage at nominal {args.confidence:.2f}, {args.reps} repetitions per cell (a cell's standard error "
-          f"is about {np.sqrt(args.confidence * (1 - args.confidence) / args.reps):.3f}); "
+    se = np.sqrt(args.confidence * (1 - args.confidence) / np.array([args.reps, args.reps_large]))
+    print(f"coverage at nominal {args.confidence:.2f}, {args.reps} repetitions per cell ({args.reps_large} above "
+          f"{specstats.BOOTSTRAP_MAX_PROMPTS} prompts; a cell's standard error is about {se[0]:.3f} ({se[1]:.3f})); "
           f"no interval under {specstats.MIN_PROMPTS_FOR_CI} prompts: 'none (x)' = the coverage it would have had; "
           f"{specstats.EXPANDED_PERCENTILE} up to {specstats.BOOTSTRAP_MAX_PROMPTS} prompts, the "
           f"{specstats.DELTA} above\n")
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             hits = {m[0]: [0, 0, 0, 0] for m in MEASURES}  # printed: covered, total; would-be: covered, total
             rng = np.random.default_rng(1000 * n + LENGTHS.index(kind))
-            for _ in range(args.reps):
+            reps = args.reps if n <= specstats.BOOTSTRAP_MAX_PROMPTS else args.reps_large
+            for _ in range(reps):
                 d = draw(rng, n, kind)
                 for label, key, printed, twin in MEASURES:
                     iv = printed(d, args.confidence)
@@ -260,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                         if wb is not None:
                             hits[label][2] += wb[0] <= truth[key] <= wb[1]
                             hits[label][3] += 1
+            print(f"{kind} {n} prompts done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
             for label, (c, t, wc, wt) in hits.items():
-                if t >= args.reps // 2:
+                if t >= reps // 2:
                     cells[label].append(f"{c / t:.3f}")
                 elif wt:
                     cells[label].append(f"none ({wc / wt:.2f})")

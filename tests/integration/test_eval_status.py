@@ -33,15 +33,8 @@ from dflash_pipeline.dev.stack import MotoServer
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("eval_runner.py")
 N = 24
+BUCKET = "eval-status"
 CONDITION = "sampled_think-on_c1"
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory):
-    server = MotoServer(log_path=tmp_path_factory.mktemp("moto") / "moto.log").start()
-    server.create_bucket("data")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def fleet():
 
 def _conf(root: str, drafters: dict[str, SimServer], baseline: SimServer, prompts: str = "bench/p.jsonl"
           ) -> dict[str, Any]:
-    return {"prompts_uri": f"s3://data/{prompts}", "output_uri": f"s3://data/evals/{root}",
+    return {"prompts_uri": f"s3://{BUCKET}/{prompts}", "output_uri": f"s3://{BUCKET}/evals/{root}",
             "drafters": [{"name": n, "servers": [s.url]} for n, s in drafters.items()],
             "baseline": {"name": "base", "servers": [baseline.url]},
             "max_tokens": 60, "concurrency": [1], "greedy": False, "save_every": 12}
@@ -78,10 +71,13 @@ def _other_client(server: SimServer, stop: threading.Event, sent: list[int]) -> 
 
 
 @pytest.fixture(scope="module")
-def runs(moto: MotoServer, fleet: dict[str, SimServer], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(moto_server: MotoServer, fleet: dict[str, SimServer], tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, Any]:
+    moto = moto_server
+    moto.create_bucket(BUCKET)
     body = "".join(json.dumps({"id": f"q{i}", "domain": ("math", "chat")[i % 2],
                                "prompt": f"question {i}: what is {i} times {i + 2}?"}) + "\n" for i in range(N))
-    moto.client().put_object(Bucket="data", Key="bench/p.jsonl", Body=body.encode())
+    moto.client().put_object(Bucket=BUCKET, Key="bench/p.jsonl", Body=body.encode())
     confs = {
         "prepare_fails": _conf("nothing", {"good": fleet["good"]}, fleet["quiet"], prompts="bench/missing.jsonl"),
         "nostats": _conf("nostats", {"good": fleet["good"], "nostats": fleet["nostats"]}, fleet["quiet"]),
@@ -110,7 +106,7 @@ def runs(moto: MotoServer, fleet: dict[str, SimServer], tmp_path_factory: pytest
     assert sent and all(code == 200 for code in sent), sent[:5]
     out: dict[str, Any] = {"log": log}
     for (name, conf), result in zip(confs.items(), results):
-        got = moto.client().get_object(Bucket="data", Key=f"evals/{conf['output_uri'].rsplit('/', 1)[1]}/report.json")
+        got = moto.client().get_object(Bucket=BUCKET, Key=f"evals/{conf['output_uri'].rsplit('/', 1)[1]}/report.json")
         out[name] = {"result": result, "report": json.loads(got["Body"].read()),
                      "tasks": {(t, m): s for t, m, s in result["tasks"]},
                      "events": [e for e in (events[0] if events else []) if e["source_run_id"] == result.get("run_id")]}

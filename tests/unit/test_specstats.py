@@ -98,9 +98,9 @@ def test_a_prompts_rows_are_resampled_together() -> None:
     v, a = _draw(rng, 60, 0.6)
     once = group_figure(_rows(v, a)).to_dict()
     twice = group_figure(_rows(v, a) + _rows(v, a)).to_dict()
-    assert twice["rows_with_stats"] == 120 and twice["prompts"] == 60
     assert (twice["acceptance_length"], twice["ci_low"], twice["ci_high"]) == pytest.approx(
         (once["acceptance_length"], once["ci_low"], once["ci_high"]))
+    assert twice["rows_with_stats"] == 120 and twice["prompts"] == 60
     independent = ratio_ci(v + v, a + a)  # what pooling as independent rows gives: too narrow
     assert independent is not None and independent.high - independent.low < 0.8 * (once["ci_high"] - once["ci_low"])
 

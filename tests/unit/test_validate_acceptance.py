@@ -103,8 +103,8 @@ def test_samples_of_one_prompt_are_resampled_together() -> None:
         tally.add(_samples_part(80, samples))
         reports.append(tally.report())
     one, four = reports
-    assert four["rows_with_stats"] == 4 * one["rows_with_stats"] and four["prompts"] == one["prompts"] == 80
     assert (four["ci_low"], four["ci_high"]) == pytest.approx((one["ci_low"], one["ci_high"]))
+    assert four["rows_with_stats"] == 4 * one["rows_with_stats"] and four["prompts"] == one["prompts"] == 80
     assert four["ci_method"] == "expanded percentile bootstrap"
 
 
@@ -116,7 +116,8 @@ def test_small_groups_print_no_interval_and_say_why() -> None:
                                           "spec_accept_histogram"]))
     report = tally.report()
     small = report["by"]["length"]["<512"]
-    assert small["prompts"] < 20 and small["ci_low"] is None and "no interval" in small["ci_note"]
+    assert small["ci_low"] is None, f"an interval over {small['rows_with_stats']} rows"
+    assert small["prompts"] < 20 and "no interval" in small["ci_note"]
     md = markdown(report)
     assert "| prompts |" in md and "no interval:" in md and "(expanded percentile bootstrap)" in md
     assert "BCa" not in md
