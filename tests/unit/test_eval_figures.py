@@ -259,7 +259,8 @@ def test_a_drafter_that_measured_nothing_fails_the_eval_and_has_no_rank() -> Non
     assert any("B/greedy_think-on_c1: nothing measured" in r for r in report["status_reasons"])
 
 
-def _varied(g: str, base: float, n: int = 40, noise: float = 0.0) -> list[dict[str, Any]]:
+def _varied(g: str, base: float, n: int = 40, noise: float = 0.0, domains: tuple[str, ...] = ("math", "code")
+            ) -> list[dict[str, Any]]:
     """n prompts whose acceptance varies a lot from prompt to prompt (shared across drafters), the
     drafter adding `base` and its own noise (uniform within +-noise) to each."""
     import numpy as np
@@ -271,7 +272,7 @@ def _varied(g: str, base: float, n: int = 40, noise: float = 0.0) -> list[dict[s
         steps = int(rng.integers(20, 200))
         per_step = (i * 7) % 10 / 5 + base + float(own.uniform(-noise, noise))
         out.append(row(server=g, verify=steps, accepted=int(steps * per_step), id=f"q{i}",
-                       tokens=steps * 3, domain=("math", "code")[i % 2]))
+                       tokens=steps * 3, domain=domains[i % len(domains)]))
     return out
 
 
@@ -405,14 +406,15 @@ def test_vllm_without_engine_counters_says_disable_log_stats() -> None:
 
 
 def test_markdown_names_each_intervals_method_and_never_claims_bca() -> None:
-    rows = {"A": _varied("A", 1.0, n=30), "B": _varied("B", 0.6, n=30)}
+    domains = ("math", "code", "chat", "poem")
+    rows = {"A": _varied("A", 1.0, n=30, domains=domains), "B": _varied("B", 0.6, n=30, domains=domains)}
     report = _report({"A": 0, "B": 0}, n=30, rows_for=lambda g, c: rows.get(g))
     md = render_markdown(report)
     assert "BCa" not in md and "expanded percentile bootstrap" in md
-    # per domain: 30 prompts over 3 domains, each under the floor: points without an interval, and why
+    # per domain: 30 prompts over 4 domains, each under the floor: points without an interval, and why
     assert "no interval: " in md and "prompts" in md
     dom = report["groups"]["A"]["greedy_think-on_c1"]["by_domain"]["math"]
-    assert dom["ci_low"] is None and dom["prompts"] == 15 and dom["ci_note"].startswith("no interval: 15 prompt(s)")
+    assert dom["ci_low"] is None and dom["prompts"] == 8 and dom["ci_note"].startswith("no interval: 8 prompt(s)")
 
 
 def test_answers_the_server_ended_before_any_draft_count_as_measured() -> None:

@@ -150,9 +150,9 @@ def token_weighted(verify: Sequence[int], accepted: Sequence[int]) -> float | No
 # prompt's rows as independent made intervals too narrow (bench/eval_coverage.py measures it).
 #
 # Which interval, and when none (bench/eval_coverage.py measures the coverage of each, at 3 to 3,000
-# prompts, on homogeneous and on heavy-tailed lengths; docs/evaluation.md has its table):
-# - fewer than MIN_PROMPTS_FOR_CI prompts: no interval (none holds there: at 3-10 prompts the
-#   bootstrap's intervals cover the truth 60-90 % of the time at a nominal 95 %);
+# prompts, on homogeneous, job-like and heavy-tailed lengths; docs/evaluation.md has its table):
+# - fewer than MIN_PROMPTS_FOR_CI prompts: no interval (none holds there: at 3 prompts the interval
+#   below covers the truth 68-76 % of the time at a nominal 95 %; from 10 prompts, 89-97 %);
 # - up to BOOTSTRAP_MAX_PROMPTS prompts: scipy's percentile bootstrap over prompts at the *expanded*
 #   level (Hesterberg 2015: the level whose normal quantile is sqrt(n / (n - 1)) t_{n-1}): the plain
 #   percentile and BCa intervals are too narrow at small n, BCa more so on heavy-tailed lengths;
@@ -160,7 +160,7 @@ def token_weighted(verify: Sequence[int], accepted: Sequence[int]) -> float | No
 #   resamples do not fit a 900k-row run, and at that size the ratio is close to normal.
 # - every prompt with the same ratio (or, paired, the same difference): the point as both ends.
 
-MIN_PROMPTS_FOR_CI = 20
+MIN_PROMPTS_FOR_CI = 10
 BOOTSTRAP_MAX_PROMPTS = 2000
 EXPANDED_PERCENTILE = "expanded percentile bootstrap"
 DELTA = "delta method"
