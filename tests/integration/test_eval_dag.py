@@ -198,8 +198,8 @@ def test_ranking_and_every_domain_within_its_interval_of_the_truth(eval_run) -> 
     # sample: 6 independent (drafter, domain) cells of 30 prompts, each with a nominal 95% interval. Every
     # point is within 4 standard errors of its truth (a wrong figure: a parse error, per-row means, draft
     # tokens taken for accepted ones, moves a domain by far more), and at most one cell's interval misses
-    # the truth: at 30 prompts the interval covers 0.92-0.96 of the time (bench/eval_coverage.py), so 6
-    # cells all covering is expected only ~70-80% of the time.
+    # the truth: at 30 prompts the interval covers 0.89-0.96 of the time (bench/eval_coverage.py), so 6
+    # cells all covering is expected only ~50-80% of the time.
     assert len(misses) <= 1, sorted(misses.values())
     base = report["groups"]["base"]["greedy_think-on_c1"]["acceptance"]
     assert base["acceptance_length"] is None and base["rows_without_stats"] == base["rows"] == 3 * N_PER_DOMAIN
