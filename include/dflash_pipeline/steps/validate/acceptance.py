@@ -37,7 +37,7 @@ from dflash_pipeline.serving.specstats import (
     token_weighted,
 )
 
-READ_COLUMNS = (*SPEC_COLUMNS, "domain", "thinking")
+READ_COLUMNS = (*SPEC_COLUMNS, "id", "domain", "thinking")  # "id": a prompt's samples are resampled together
 # Completion-length buckets (tokens): [lo, hi) and their labels.
 LENGTH_BUCKETS = ((0, 512, "<512"), (512, 2048, "512-2k"), (2048, 8192, "2k-8k"), (8192, 32768, "8k-32k"),
                   (32768, 1 << 62, ">=32k"))
