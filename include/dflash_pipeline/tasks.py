@@ -431,20 +431,22 @@ def eval_server(params: dict[str, Any], run_id: str, assignment: dict[str, Any],
                           progress_factory=progress)
 
 
-def eval_report(params: dict[str, Any], run_id: str, assignments: list[dict[str, Any]],
+def eval_report(params: dict[str, Any], run_id: str, assignments: list[dict[str, Any]] | None,
                 outlet_events: Any = None) -> dict[str, Any]:
-    """Write the eval report; on a complete eval the dflash_eval event names it and the headline figures."""
+    """Write the eval report (also after a failed prepare: `assignments` is then empty); fail the task
+    when a condition measured nothing, nothing was planned, or planned rows are missing; otherwise the
+    dflash_eval event carries the report's status and per drafter and condition what was measured."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from dflash_pipeline.steps.evaluate import EvalIncomplete, run_report
+    from dflash_pipeline.steps.evaluate import EvalFailed, EvalIncomplete, run_report
     from dflash_pipeline.steps.handoff import eval_event_extra
 
     cfg = eval_config(params)
     try:
         with _fail_fast():
-            report = run_report(s3_client(cfg.aws_conn_id), cfg, assignments, run_id)
-    except EvalIncomplete as exc:
-        raise AirflowFailException(f"EvalIncomplete: {exc}") from exc
+            report = run_report(s3_client(cfg.aws_conn_id), cfg, list(assignments or []), run_id)
+    except (EvalFailed, EvalIncomplete) as exc:
+        raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
     extra = eval_event_extra(report)
     if outlet_events is not None:
         outlet_events[eval_asset()].extra = extra

@@ -53,6 +53,8 @@ def test_triggered_eval_succeeds_with_report_and_asset_event(airflow_stack: Airf
     assert [states[("evaluate", i)] for i in range(3)] == ["success"] * 3
     report = json.loads(s3_client.get_object(Bucket=bucket, Key="evals/e2e/report.json")["Body"].read())
     assert report["status"] == "complete" and report["run_id"] == run_id
+    assert all(fig["status"] == "complete" and fig["acceptance"]["rows_with_stats"] == 24
+               for g in ("good", "poor") for fig in report["groups"][g].values())
     assert [e["drafter"] for e in report["rankings"]["greedy_think-on_c1"]] == ["good", "poor"]
     assert set(report["groups"]["good"]["greedy_think-on_c1"]["by_domain"]) == {"math", "chat"}
     assert all(x["status"] == "match" for g in ("good", "poor") for f in report["groups"][g].values()
@@ -64,6 +66,7 @@ def test_triggered_eval_succeeds_with_report_and_asset_event(airflow_stack: Airf
     assert len(events) == 1, events
     extra = events[0]["extra"]
     assert extra["report_key"] == "evals/e2e/report.json" and extra["ranking"] == ["good", "poor"]
+    assert extra["status"] == "complete" and extra["ranks"] == {"good": 1, "poor": 2}
     assert extra["drafters"]["good"]["acceptance_length"] > extra["drafters"]["poor"]["acceptance_length"]
 
     # the progress page: the eval root shows the report and links each (group, condition) dataset, whose
@@ -73,6 +76,11 @@ def test_triggered_eval_succeeds_with_report_and_asset_event(airflow_stack: Airf
     assert root.status_code == 200, root.text[:500]
     view = root.json()
     assert view["report"]["status"] == "complete" and [p["name"] for p in view["plot_urls"]] == ["report-acceptance.png"]
+    # the eval's own page: its verdict on the page itself, none of dflash_generate's text
+    assert view["kind"] == "eval" and view["report"]["statuses"]["good"]["greedy_think-on_c1"] == "complete"
+    page = airflow_stack.rest("GET", f"/dflash/runs/{quote(DAG, safe='')}/{quote(run_id, safe='')}")
+    assert page.status_code == 200 and 'class="eval-ranking"' in page.text and 'class="eval-status"' in page.text
+    assert "No plan yet" not in page.text and "validate_and_count" not in page.text
     datasets = [f"{g}/{c}" for g in ("poor", "good", "base") for c in ("sampled_think-on_c1", "greedy_think-on_c1")]
     assert view["datasets"] == datasets
     one = airflow_stack.rest("GET", path, params={"dataset": "good/greedy_think-on_c1"})

@@ -1,8 +1,9 @@
 """The /metrics cross-check on real sockets, without Airflow: prepare, one server's conditions and the
 report (steps/evaluate) against moto and a simulated vLLM drafter. Clean: the rows' counters equal the
-server's /metrics delta. Shared: another client's requests reach the server inside the measured window
-(sent from the worker's own progress callback, so they land between the two scrapes), and the report
-flags the mismatch with both figures and says what causes one."""
+server's /metrics delta, speculative counters and generated tokens. Shared: another client's requests
+reach the server inside the measured window (sent from the worker's own progress callback, so they land
+between the two scrapes), and the report flags the mismatch with both figures, says what causes one,
+and marks the condition untrusted."""
 
 from __future__ import annotations
 
@@ -61,8 +62,11 @@ def test_clean_run_matches_the_metrics_delta(s3_client: Any, bucket: str, drafte
     assert check["rows_sum"]["verify_steps"] == check["metrics_delta"]["verify_steps"] > 0
     if drafter.config.engine == "vllm":
         assert check["rows_sum"]["accepted_tokens"] == check["metrics_delta"]["accepted_tokens"]
-    else:  # SGLang's /metrics has verify steps only
-        assert set(check["metrics_delta"]) == {"verify_steps"}
+    else:  # SGLang's /metrics has verify steps only (and generated tokens)
+        assert set(check["metrics_delta"]) == {"verify_steps", "generation_tokens"}
+    # every server's generated tokens, SGLang's and vLLM's counter alike
+    assert check["checks"] == {"speculative": "match", "generation_tokens": "match"}
+    assert check["rows_sum"]["generation_tokens"] == check["metrics_delta"]["generation_tokens"] > 0
     assert report["crosscheck_mismatches"] == []
 
 
@@ -72,5 +76,8 @@ def test_shared_server_traffic_is_flagged(s3_client: Any, bucket: str, drafter: 
     assert check["status"] == "mismatch", check
     diff = check["differences"]["verify_steps"]
     assert diff["metrics"] > diff["rows"] > 0
+    tokens = check["differences"]["generation_tokens"]
+    assert tokens["metrics"] > tokens["rows"] > 0
+    assert report["statuses"]["d"]["sampled_think-on_c1"] == "untrusted" and report["status"] == "untrusted"
     assert "another client's traffic on a shared server" in check["note"]
     assert len(report["crosscheck_mismatches"]) == 1

@@ -80,3 +80,41 @@ def test_nothing_shown_when_no_row_has_statistics() -> None:
     report = tally.report()
     assert report["speculating"] is False and report["rows"] == 30 and "by" not in report
     assert "not speculating" in markdown(report)
+
+
+def _samples_part(n_prompts: int, samples: int) -> pa.Table:
+    """n_prompts prompts with `samples` identical rows each (a prompt's samples, at their extreme)."""
+    rows = []
+    for i in range(n_prompts):
+        d = spec_drafter.draw(_Cfg, [{"role": "user", "content": f"math question {i}"}], 100 + (i * 53) % 900, i)
+        for s in range(samples):
+            rows.append({"id": f"p{i}", "sample": s, "server": "s1", "completion_tokens": 100, "finish_reason": "stop",
+                         "spec_verify_steps": d.verify_steps, "spec_accepted_tokens": d.accepted,
+                         "spec_draft_tokens": d.proposed, "spec_accept_histogram": d.histogram()})
+    return pa.Table.from_pylist([{c: r.get(c) for c in PART_SCHEMA.names} for r in rows], schema=PART_SCHEMA)
+
+
+def test_samples_of_one_prompt_are_resampled_together() -> None:
+    """Four samples of a prompt are not four independent rows: the interval over 4 copies of each row
+    is the interval over one (issue 37: it was half as wide)."""
+    reports = []
+    for samples in (1, 4):
+        tally = AcceptanceTally()
+        tally.add(_samples_part(80, samples))
+        reports.append(tally.report())
+    one, four = reports
+    assert (four["ci_low"], four["ci_high"]) == pytest.approx((one["ci_low"], one["ci_high"]))
+    assert four["rows_with_stats"] == 4 * one["rows_with_stats"] and four["prompts"] == one["prompts"] == 80
+    assert four["ci_method"] == "expanded percentile bootstrap"
+
+
+def test_small_groups_print_no_interval_and_say_why() -> None:
+    tally = AcceptanceTally()
+    tally.add(_part(0, 60))  # 60 prompts, 9 of them under 512 tokens
+    report = tally.report()
+    small = report["by"]["length"]["<512"]
+    assert small["ci_low"] is None, f"an interval over {small['rows_with_stats']} rows"
+    assert small["prompts"] == 9 and "no interval: 9 prompt(s), fewer than 10" in small["ci_note"]
+    md = markdown(report)
+    assert "| prompts |" in md and "no interval:" in md and "(expanded percentile bootstrap)" in md
+    assert "BCa" not in md

@@ -560,7 +560,11 @@ def tasks_line(tasks: Sequence[Mapping[str, Any]]) -> str:
 
 
 def run_main(view: Mapping[str, Any]) -> str:
-    """The block the page refreshes: everything below the title."""
+    """The block the page refreshes: everything below the title (a dflash_eval run's: ui_eval.py)."""
+    if view.get("kind") == "eval":
+        from dflash_pipeline.monitor.ui_eval import eval_main
+
+        return eval_main(view)
     run_state = view.get("run_state")
     final = run_state in TERMINAL and (view.get("report") is not None or view.get("progress") is None
                                        or view.get("report_missing_final", False))

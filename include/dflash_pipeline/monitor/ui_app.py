@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 URL_PREFIX = "/dflash"
 DEFAULT_DAG_ID = "dflash_generate"
+EVAL_DAG_ID = "dflash_eval"
 REFRESH_S = 10
 _PLOT_RE = re.compile(r"^report-[a-z0-9][a-z0-9-]{0,80}\.png$")
 _CLIENT_TTL_S = 300.0
@@ -258,9 +259,11 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
         return view
     # dflash_eval's mapped tasks are numbered over all groups, its workers within a group: no states then
     task_states = {f"w{t['map_index']:04d}": t["state"] for t in tasks if t["task_id"] == "generate"}
+    if dag_id == EVAL_DAG_ID or any(t["task_id"] == "evaluate" for t in tasks):
+        view.update(kind="eval", eval_dataset=dataset, run_base=run_base)
     try:
         store = Store(_s3_client(str(view["aws_conn_id"])), layout.bucket)
-        if dataset is None and (tasks and any(t["task_id"] == "evaluate" for t in tasks)):
+        if dataset is None and view.get("kind") == "eval":
             view["datasets"] = _eval_datasets(store, root, run_id)
             view["links"] += [(d, f"{run_base}?dataset={d}") for d in view["datasets"]]
         if dataset is not None:

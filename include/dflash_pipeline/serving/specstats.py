@@ -11,10 +11,20 @@ tokens in all; every step also yields one token of the target's own (the bonus /
 
 Across rows it is token-weighted: Σ(verify + accepted) / Σ verify, never the mean of per-row
 figures (short rows would weigh as much as long ones). This is vLLM's `mean_acceptance_length`
-and its `/metrics` figure `1 + Δaccepted / Δdrafts`. SGLang's own `spec_accept_length` is
-`completion_tokens / spec_verify_ct`: it also counts the token produced by prefill (and a stop
-token the draft never saw), so on a short output it reads higher than ours; we compute ours from
-its counters, not its ratio.
+and its `/metrics` figure `1 + Δaccepted / Δdrafts`. We compute ours from SGLang's counters, not
+from its own `spec_accept_length` = `completion_tokens / spec_verify_ct`, which differs from ours:
+a request's completion tokens are 1 + V + A - O (V verify steps, A accepted drafts as the server
+counts them; the 1 is the token the prefill produces; O the drafts counted as accepted in the last
+step but dropped because the answer ended inside it, past its stop token or max_tokens), so
+
+    spec_accept_length - ours = (1 - O) / V.
+
+It reads higher by 1/V where the server counts only the drafts it kept (O = 0: SGLang's DFlash
+`verify` counts `appended - 1`), and lower where it counts drafts verified past the end and O > 1
+(SGLang's overlap scheduler takes the verify's accept length before the output stops at the stop
+token, `_resolve_spec_overlap_token_ids`). With DFlash's long blocks (up to 15 drafts a step) on a
+short answer, O is large and V small: 4 steps whose last accepted 12 drafts past the stop read
+10.0 there and 12.75 here. Either way the gap shrinks as 1 / V on long answers.
 
 `histogram[k]` is the number of verify steps that accepted exactly k draft tokens (k = 0 … draft
 length). Acceptance is a prefix, so position i (1-based) was accepted in every step with k >= i:
@@ -27,9 +37,9 @@ Null, never zero, where a server does not speculate or does not say: `SpecStats`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -131,71 +141,156 @@ def token_weighted(verify: Sequence[int], accepted: Sequence[int]) -> float | No
     return 1.0 + float(np.sum(np.asarray(accepted, dtype=np.float64))) / v
 
 
-def bootstrap_ci(
-    verify: Sequence[int],
-    accepted: Sequence[int],
+# ------------------------------------------------------------------------------------ intervals
+#
+# The unit of resampling is the prompt. A prompt's rows are not independent: its samples, and the
+# same prompt measured under several conditions when conditions are pooled (the eval's "by thinking
+# mode"), share the prompt's difficulty. So every interval first sums each prompt's counters (a
+# cluster) and resamples prompts; with one row per prompt that is resampling rows. Treating a
+# prompt's rows as independent made intervals too narrow (bench/eval_coverage.py measures it).
+#
+# Which interval, and when none (bench/eval_coverage.py measures the coverage of each, at 3 to 3,000
+# prompts, on homogeneous, job-like and heavy-tailed lengths; docs/evaluation.md has its table):
+# - fewer than MIN_PROMPTS_FOR_CI prompts: no interval (none holds there: at 3 prompts the interval
+#   below covers the truth 68-76 % of the time at a nominal 95 %; from 10 prompts, 89-97 %);
+# - up to BOOTSTRAP_MAX_PROMPTS prompts: scipy's percentile bootstrap over prompts at the *expanded*
+#   level (Hesterberg 2015: the level whose normal quantile is sqrt(n / (n - 1)) t_{n-1}): BCa, used
+#   before, was too narrow at small n (0.81-0.88 coverage at 10-100 prompts of heavy-tailed lengths);
+# - above it: the delta method (normal, linearised ratio of sums): the bootstrap's n x n_resamples
+#   resamples do not fit a 900k-row run, and at that size the ratio is close to normal.
+# - every prompt with the same ratio (or, paired, the same difference): the point as both ends.
+
+MIN_PROMPTS_FOR_CI = 10
+BOOTSTRAP_MAX_PROMPTS = 2000
+EXPANDED_PERCENTILE = "expanded percentile bootstrap"
+DELTA = "delta method"
+ALL_EQUAL = "all prompts equal"
+CI_METHODS = {
+    EXPANDED_PERCENTILE: "scipy.stats.bootstrap, percentile method, prompts resampled with their counters "
+    "summed, at the expanded level (sqrt(n/(n-1)) t_{n-1} as a normal quantile; Hesterberg 2015)",
+    DELTA: f"above {BOOTSTRAP_MAX_PROMPTS} prompts: normal interval of the linearised ratio of sums over prompts",
+    ALL_EQUAL: "every prompt has the same figure: the point is both ends",
+}
+
+
+class Interval(NamedTuple):
+    """A confidence interval, how it was computed (a CI_METHODS key) and the prompts it stands on."""
+
+    low: float
+    high: float
+    method: str
+    prompts: int
+
+
+def no_interval_note(prompts: int) -> str:
+    return f"no interval: {prompts} prompt(s), fewer than {MIN_PROMPTS_FOR_CI}"
+
+
+def cluster_sums(columns: Sequence[Sequence[float]], clusters: Sequence[Hashable] | None) -> list[np.ndarray]:
+    """Each column summed per cluster (prompt), clusters in sorted order; None: every row its own."""
+    cols = [np.asarray(c, dtype=np.float64) for c in columns]
+    if clusters is None:
+        return cols
+    _, inverse = np.unique(np.asarray(clusters), return_inverse=True)
+    return [np.bincount(inverse, weights=c) for c in cols]
+
+
+def expanded_level(n: int, confidence: float) -> float:
+    """The bootstrap level whose normal quantile is sqrt(n / (n - 1)) * t_{n-1} at `confidence`: the
+    percentile interval widened for small samples (Hesterberg 2015, "What teachers should know about
+    the bootstrap"); tends to `confidence` as n grows."""
+    from scipy import stats
+
+    q = float(np.sqrt(n / (n - 1)) * stats.t.ppf(0.5 + confidence / 2, n - 1))
+    return float(1.0 - 2.0 * stats.norm.sf(q))
+
+
+def _ratio(v: np.ndarray, a: np.ndarray, axis: int = -1) -> np.ndarray:
+    den = v.sum(axis=axis)
+    return 1.0 + a.sum(axis=axis) / np.where(den > 0, den, np.nan)
+
+
+def _interval(data: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], influence: np.ndarray, point: float,
+              *, confidence: float, n_resamples: int, seed: int) -> Interval:
+    """The interval of `statistic` over prompts (module comment above); `influence` is each prompt's
+    linearised contribution (the delta method's, and all zero when every prompt agrees)."""
+    n = len(influence)
+    if np.allclose(influence, 0.0, atol=1e-12):
+        return Interval(point, point, ALL_EQUAL, n)
+    if n > BOOTSTRAP_MAX_PROMPTS:
+        from scipy import stats
+
+        se = float(np.std(influence, ddof=1) / np.sqrt(n))
+        z = float(stats.norm.ppf(0.5 + confidence / 2))
+        return Interval(point - z * se, point + z * se, DELTA, n)
+    from scipy import stats  # imported here: a heavy import only the reports need
+
+    res = stats.bootstrap(data, statistic, paired=True, vectorized=True, n_resamples=n_resamples,
+                          confidence_level=expanded_level(n, confidence), method="percentile",
+                          rng=np.random.default_rng(seed))
+    return Interval(float(res.confidence_interval.low), float(res.confidence_interval.high), EXPANDED_PERCENTILE, n)
+
+
+def ratio_ci(
+    verify: Sequence[float],
+    accepted: Sequence[float],
+    clusters: Sequence[Hashable] | None = None,
     *,
     confidence: float = 0.95,
     n_resamples: int = 2000,
     seed: int = 0,
-) -> tuple[float, float] | None:
-    """Confidence interval of the token-weighted acceptance length, resampling requests (rows).
-
-    scipy's bootstrap (BCa, paired: a row's verify steps and accepted tokens stay together). Rows,
-    not tokens, are the unit: tokens of one request are not independent. None with fewer than two
-    rows; a degenerate sample (every row the same ratio) gives the point as both ends.
-
-    Above BOOTSTRAP_MAX_ROWS rows the interval is the delta method's (normal, ratio of sums): BCa's
-    jackknife holds an n x n array and a resample n x n_resamples, which a 900k-row run cannot
-    afford; at that size the ratio estimator is close to normal and the two agree."""
-    v = np.asarray(verify, dtype=np.float64)
-    a = np.asarray(accepted, dtype=np.float64)
-    if len(v) < 2 or float(v.sum()) <= 0:
-        return None
-    point = token_weighted(v, a)
-    assert point is not None
-    ratios = np.divide(a, v, out=np.zeros_like(a), where=v > 0)
-    if np.allclose(ratios[v > 0], ratios[v > 0][0]):
-        return (point, point)
-    if len(v) > BOOTSTRAP_MAX_ROWS:
-        return delta_ci(v, a, confidence=confidence)
-    from scipy import stats  # imported here: a heavy import only the report needs
-
-    def statistic(vs: np.ndarray, acc: np.ndarray, axis: int = -1) -> np.ndarray:
-        den = vs.sum(axis=axis)
-        return 1.0 + acc.sum(axis=axis) / np.where(den > 0, den, np.nan)
-
-    res = stats.bootstrap(
-        (v, a), statistic, paired=True, vectorized=True, n_resamples=n_resamples, confidence_level=confidence,
-        method="BCa", random_state=np.random.default_rng(seed),
-    )
-    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    if not (np.isfinite(low) and np.isfinite(high)):  # BCa can fail on tiny or skewed samples
-        res = stats.bootstrap(
-            (v, a), statistic, paired=True, vectorized=True, n_resamples=n_resamples,
-            confidence_level=confidence, method="percentile", random_state=np.random.default_rng(seed),
-        )
-        low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return (low, high)
-
-
-BOOTSTRAP_MAX_ROWS = 2000
-
-
-def delta_ci(verify: Sequence[int], accepted: Sequence[int], *, confidence: float = 0.95) -> tuple[float, float] | None:
-    """Normal interval of 1 + sum(a) / sum(v) by the delta method (linearised ratio of sums, rows iid)."""
-    from scipy import stats
-
-    v = np.asarray(verify, dtype=np.float64)
-    a = np.asarray(accepted, dtype=np.float64)
+    min_prompts: int = MIN_PROMPTS_FOR_CI,
+) -> Interval | None:
+    """Interval of the token-weighted acceptance length 1 + Σaccepted / Σverify, prompts resampled
+    (`clusters`: each row's prompt; None: one row per prompt). None under `min_prompts` prompts."""
+    v, a = cluster_sums((verify, accepted), clusters)
+    keep = v > 0
+    v, a = v[keep], a[keep]
     n = len(v)
-    if n < 2 or v.sum() <= 0:
+    if n < max(2, min_prompts):
         return None
-    r = a.sum() / v.sum()
-    resid = a - r * v
-    se = float(np.sqrt(resid.var(ddof=1) / n) / v.mean())
-    z = float(stats.norm.ppf(0.5 + confidence / 2))
-    return (1.0 + r - z * se, 1.0 + r + z * se)
+    r = float(a.sum() / v.sum())
+    influence = (a - r * v) / v.mean()
+    return _interval((v, a), _ratio, influence, 1.0 + r, confidence=confidence, n_resamples=n_resamples, seed=seed)
+
+
+def ratio_difference_ci(
+    verify_a: Sequence[float], accepted_a: Sequence[float], verify_b: Sequence[float], accepted_b: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    min_prompts: int = MIN_PROMPTS_FOR_CI,
+) -> tuple[float | None, Interval | None]:
+    """The paired difference of two acceptance lengths measured on the same prompts (position i of
+    every array is prompt i, counters summed over its rows), and its interval (prompts resampled
+    together for both: what the prompts share cancels out). (None, None) without a prompt both measured."""
+    va, aa, vb, ab = (np.asarray(x, dtype=np.float64) for x in (verify_a, accepted_a, verify_b, accepted_b))
+    keep = (va > 0) & (vb > 0)
+    va, aa, vb, ab = va[keep], aa[keep], vb[keep], ab[keep]
+    n = len(va)
+    if n == 0:
+        return None, None
+    ra, rb = float(aa.sum() / va.sum()), float(ab.sum() / vb.sum())
+    point = ra - rb
+    if n < max(2, min_prompts):
+        return point, None
+
+    def statistic(xa: np.ndarray, ya: np.ndarray, xb: np.ndarray, yb: np.ndarray, axis: int = -1) -> np.ndarray:
+        return _ratio(xa, ya, axis) - _ratio(xb, yb, axis)
+
+    influence = (aa - ra * va) / va.mean() - (ab - rb * vb) / vb.mean()
+    return point, _interval((va, aa, vb, ab), statistic, influence, point, confidence=confidence,
+                            n_resamples=n_resamples, seed=seed)
+
+
+# ------------------------------------------------------------------------------------ figures
+
+
+def prompt_of(row: Mapping[str, Any], index: int) -> str:
+    """The cluster a row belongs to: its prompt id (rows without one stand alone)."""
+    rid = row.get("id")
+    return f"id:{rid}" if rid not in (None, "") else f"row:{index}"
 
 
 @dataclass(frozen=True)
@@ -204,40 +299,56 @@ class GroupFigure:
 
     rows: int
     rows_with_stats: int
+    prompts: int  # distinct prompts among the rows with statistics
     verify_steps: int
     accepted_tokens: int
     acceptance_length: float | None
-    ci: tuple[float, float] | None
+    ci: Interval | None
     per_position: list[float] | None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rows": self.rows,
             "rows_with_stats": self.rows_with_stats,
+            "prompts": self.prompts,
             "verify_steps": self.verify_steps,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_length": self.acceptance_length,
-            "ci_low": self.ci[0] if self.ci else None,
-            "ci_high": self.ci[1] if self.ci else None,
+            "ci_low": self.ci.low if self.ci else None,
+            "ci_high": self.ci.high if self.ci else None,
+            "ci_method": self.ci.method if self.ci else None,
+            "ci_note": None if self.ci or self.acceptance_length is None else no_interval_note(self.prompts),
             "per_position": self.per_position,
         }
 
 
+def _known(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, SpecStats]]:
+    """(prompt, statistics) of the rows with at least one verify step."""
+    out = []
+    for i, r in enumerate(rows):
+        s = SpecStats.from_columns(r)
+        if s is not None and s.verify_steps > 0:
+            out.append((prompt_of(r, i), s))
+    return out
+
+
 def group_figure(rows: Sequence[Mapping[str, Any]], *, confidence: float = 0.95, n_resamples: int = 2000,
                  seed: int = 0) -> GroupFigure:
-    """Token-weighted acceptance, its CI and per-position rates over rows carrying SPEC_COLUMNS."""
-    stats = [SpecStats.from_columns(r) for r in rows]
-    known = [s for s in stats if s is not None and s.verify_steps > 0]
-    verify = [s.verify_steps for s in known]
-    accepted = [s.accepted_tokens for s in known]
-    summed = total(known)
+    """Token-weighted acceptance, its interval over prompts and per-position rates over rows carrying
+    SPEC_COLUMNS (a row's prompt is its `id`: samples and pooled conditions of one prompt go together)."""
+    known = _known(rows)
+    verify = [s.verify_steps for _, s in known]
+    accepted = [s.accepted_tokens for _, s in known]
+    clusters = [c for c, _ in known]
+    summed = total(s for _, s in known)
     return GroupFigure(
         rows=len(rows),
         rows_with_stats=len(known),
+        prompts=len(set(clusters)),
         verify_steps=int(sum(verify)),
         accepted_tokens=int(sum(accepted)),
         acceptance_length=token_weighted(verify, accepted),
-        ci=bootstrap_ci(verify, accepted, confidence=confidence, n_resamples=n_resamples, seed=seed),
+        ci=ratio_ci(verify, accepted, clusters, confidence=confidence, n_resamples=n_resamples, seed=seed),
         per_position=per_position_rates(summed.histogram) if summed else None,
     )
 
@@ -252,3 +363,30 @@ def breakdown(
     for r in rows:
         groups.setdefault(key(r), []).append(r)
     return {k: group_figure(v, **kwargs) for k, v in sorted(groups.items())}
+
+
+def paired_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], *,
+                      confidence: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """A's acceptance length minus B's on the prompts both measured (rows paired by `id`), with the
+    interval of that paired difference. `separable`: the interval excludes 0 (True), holds it (False),
+    or there is no interval (None: too few common prompts); only True orders A and B."""
+    sums: list[dict[str, list[float]]] = [{}, {}]
+    for side, rows in enumerate((rows_a, rows_b)):
+        for prompt, s in _known(rows):
+            acc = sums[side].setdefault(prompt, [0.0, 0.0])
+            acc[0] += s.verify_steps
+            acc[1] += s.accepted_tokens
+    common = sorted(set(sums[0]) & set(sums[1]))
+    cols = [[sums[side][p][j] for p in common] for side in (0, 1) for j in (0, 1)]
+    point, ci = ratio_difference_ci(*cols, confidence=confidence, n_resamples=n_resamples, seed=seed)
+    return {
+        "difference": point,
+        "ci_low": ci.low if ci else None,
+        "ci_high": ci.high if ci else None,
+        "ci_method": ci.method if ci else None,
+        "ci_note": None if ci or point is None else no_interval_note(len(common)),
+        "prompts": len(common),
+        "a_on_common": token_weighted(cols[0], cols[1]),
+        "b_on_common": token_weighted(cols[2], cols[3]),
+        "separable": None if ci is None else not (ci.low <= 0.0 <= ci.high),
+    }

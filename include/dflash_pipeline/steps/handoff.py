@@ -34,7 +34,7 @@ TOKENIZED_FORMAT = "dflash-pipeline/tokenized-handoff/1"
 EVAL_ASSET_NAME = "dflash_eval"
 EVAL_ASSET_URI = "x-dflash://eval"
 """dflash_eval's outlet: its event names the eval report and each drafter's headline figures."""
-EVAL_FORMAT = "dflash-pipeline/eval-handoff/1"
+EVAL_FORMAT = "dflash-pipeline/eval-handoff/2"
 HEADLINE_KEYS = (
     "prompts", "completions", "errors", "missing", "duplicates", "truncated", "prompt_tokens", "output_tokens",
     "reasoning_tokens", "training_tokens",
@@ -143,16 +143,35 @@ def check_handoff(client: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def eval_event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
-    """dflash_eval's asset event: where the report is and each drafter's headline figures (small, JSON)."""
+    """dflash_eval's asset event (small, JSON): where the report is, the eval's status, and per drafter
+    and condition what a consumer acts on. `status` is the report's (complete, partial, untrusted;
+    a failed eval emits no event); `conditions[group][condition]` has each one's status, rows with
+    statistics over planned rows and the /metrics verdict; `ranking` lists the ranked drafters best
+    first and `ranks` their ranks, equal for drafters the paired comparison cannot separate; `paired`
+    has the headline condition's paired differences."""
     root = DatasetLayout.from_uri(report["output_uri"])
+    headline = report.get("headline_condition") or ""
+    ranking = (report.get("rankings") or {}).get(headline, [])
+    conditions = {
+        g: {c: {"status": f.get("status"), "rows_with_stats": (f.get("acceptance") or {}).get("rows_with_stats"),
+                "completions": f.get("completions"), "rows": f.get("rows"), "planned": f.get("planned"),
+                "crosscheck": f.get("crosscheck_verdict")} for c, f in conds.items()}
+        for g, conds in (report.get("groups") or {}).items()}
+    paired = [{k: p.get(k) for k in ("a", "b", "difference", "ci_low", "ci_high", "ci_method", "prompts", "separable")}
+              for p in (report.get("paired") or {}).get(headline, [])]
     return {
         "format": EVAL_FORMAT,
         "output_uri": root.uri,
         "bucket": root.bucket,
         "report_key": report["report_key"],
         "report_md_key": root.report_md_key,
+        "run_id": report.get("run_id"),
         "status": report.get("status"),
+        "status_reasons": list(report.get("status_reasons") or [])[:20],
         "headline_condition": report.get("headline_condition"),
         "drafters": report.get("headline") or {},
-        "ranking": [e["drafter"] for e in (report.get("rankings") or {}).get(report.get("headline_condition") or "", [])],
+        "ranking": [e["drafter"] for e in ranking if e.get("rank") is not None],
+        "ranks": {e["drafter"]: e.get("rank") for e in ranking},
+        "paired": paired,
+        "conditions": conditions,
     }

@@ -192,7 +192,11 @@ class SimConfig:
     spec_per_request_metrics: str = "summary"
     """vLLM's --per-request-spec-decode-metrics: none | summary | detailed."""
     enable_metrics: bool = False
-    """SGLang's --enable-metrics: the SGLang flavour serves /metrics (`sglang:spec_verify_calls_total`)."""
+    """SGLang's --enable-metrics: the SGLang flavour serves /metrics (`sglang:spec_verify_calls_total`,
+    `sglang:generation_tokens_total`)."""
+    disable_log_stats: bool = False
+    """vLLM's --disable-log-stats: its /metrics answers without any `vllm:` series (no stat logger);
+    the answers' per-request speculative statistics are unaffected."""
 
     def __post_init__(self) -> None:
         if self.served_model_name is None:
@@ -337,6 +341,9 @@ class _Scheduler:
         """Loop iterations of the scheduler thread; stays O(events), proof it does not spin."""
         self.stats = _zero_stats()
         self.stats_epoch = time.monotonic()
+        self.generation_tokens_total = 0
+        """Tokens of every request that ran to its end (proofs included), never reset: the server's
+        generated-token counter (vLLM `vllm:generation_tokens`, SGLang `sglang:generation_tokens_total`)."""
         self.thread = threading.Thread(target=self._run, name="sim-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -398,6 +405,10 @@ class _Scheduler:
             self.cv.notify()
         return len(jobs)
 
+    def generated(self) -> int:
+        with self.cv:
+            return self.generation_tokens_total
+
     def load(self) -> tuple[int, int, int]:
         """(running, waiting, tokens in KV: prompt + generated so far of running requests)."""
         now = time.monotonic()
@@ -436,6 +447,7 @@ class _Scheduler:
 
     def _finish(self, job: _Job) -> None:
         stats = self.stats
+        self.generation_tokens_total += job.tokens
         if job.kind == "chat":
             stats["completed"] += 1
             stats["output_tokens"] += job.tokens

@@ -14,9 +14,10 @@ serving/specwire.py lists:
   `SpecTokensDetails`) adds top-level `sglext.spec_tokens_details`, one object for n == 1, the
   canonical names with zeros / [] for what meta_info lacks, absent when meta_info has no figure.
   Older releases ignore both fields.
-- `/metrics` (only with `--enable-metrics`; `observability/metrics_collector.py` 0.5.21): counter
-  `sglang:spec_verify_calls_total`, incremented by each finished request's `spec_verify_ct`
-  (`observe_one_finished_request`); its acceptance gauges are running averages. Labels here are a
+- `/metrics` (only with `--enable-metrics`; `observability/metrics_collector.py` 0.5.21): counters
+  `sglang:spec_verify_calls_total` and `sglang:generation_tokens_total`, incremented by each finished
+  request's `spec_verify_ct` and completion tokens (`observe_one_finished_request`); its acceptance
+  gauges are running averages. Labels here are a
   subset (`model_name`); the series appears once a request verified (a labelled prometheus counter).
 - `/get_server_info`: flat server args (`speculative_algorithm` ... None when not speculating)
   and `internal_states[0].avg_spec_accept_length` (`managers/scheduler.py`: accepted tokens incl.
@@ -117,10 +118,15 @@ def decorate(body: dict[str, Any], request: dict[str, Any], version: str | None,
             }}
 
 
-def metrics_text(model: str, counters: SpecCounters | None) -> str:
-    """SGLang's `/metrics` text, the part a client of speculative counters reads."""
-    lines = ["# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.",
-             "# TYPE sglang:spec_verify_calls_total counter"]
+def metrics_text(model: str, counters: SpecCounters | None, generated_tokens: int = 0) -> str:
+    """SGLang's `/metrics` text, the part a client of its counters reads: generated tokens and verify
+    calls, each a labelled counter whose series appears at its first increment."""
+    lines = ["# HELP sglang:generation_tokens_total Number of generation tokens processed.",
+             "# TYPE sglang:generation_tokens_total counter"]
+    if generated_tokens > 0:
+        lines.append(f'sglang:generation_tokens_total{{model_name="{model}"}} {float(generated_tokens)}')
+    lines += ["# HELP sglang:spec_verify_calls_total Number of speculative decoding verification calls.",
+              "# TYPE sglang:spec_verify_calls_total counter"]
     snap = counters.snapshot() if counters is not None else None
     if snap and snap["drafts"] > 0:
         lines.append(f'sglang:spec_verify_calls_total{{model_name="{model}"}} {float(snap["drafts"])}')
@@ -137,5 +143,5 @@ class SglangMetricsEndpoint:
         if not self.sim.config.enable_metrics:
             self._send_json(404, {"detail": "Not Found"})  # type: ignore[attr-defined]
             return
-        text = metrics_text(self.sim.config.served_model_name, self.sim.spec_counters)
+        text = metrics_text(self.sim.config.served_model_name, self.sim.spec_counters, self.sim._sched.generated())
         self._send(200, text.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")  # type: ignore[attr-defined]

@@ -15,7 +15,8 @@ Checked against vLLM's source (vllm-project/vllm, main):
   ``tool_calls`` is dropped when empty; choices carry ``stop_reason`` (no ``matched_stop``);
   ``chat_template_kwargs`` is a top-level field; unknown fields (``separate_reasoning``) are
   ignored with a warning.
-* ``vllm/v1/metrics/loggers.py``: ``/metrics`` in Prometheus text; ``vllm:num_requests_running``,
+* ``vllm/v1/metrics/loggers.py``: ``/metrics`` in Prometheus text (none of the ``vllm:`` series with
+  ``--disable-log-stats``: ``SimConfig.disable_log_stats``); ``vllm:generation_tokens_total``, ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (gauges; usage 1 = full),
   ``vllm:cache_config_info`` (info gauge with CacheConfig labels, e.g. ``num_gpu_blocks``,
   ``block_size``); no gauge carries ``max_num_seqs``. The slot count (``max_running_requests``,
@@ -229,6 +230,17 @@ def metrics_text(model: str, running: int, waiting: int, kv_blocks: int, block_s
     )
 
 
+def generation_tokens_lines(model: str, tokens: int, created: float) -> str:
+    """vLLM's generated-token counter (`v1/metrics/loggers.py` `vllm:generation_tokens`, labels `engine`,
+    `model_name`; increased by each engine step's new tokens, so a request's completion tokens in all)."""
+    label = f'engine="0",model_name="{model}"'
+    doc = "Number of generation tokens processed."
+    return (f"# HELP vllm:generation_tokens_total {doc}\n# TYPE vllm:generation_tokens_total counter\n"
+            f"vllm:generation_tokens_total{{{label}}} {float(tokens)}\n"
+            f"# HELP vllm:generation_tokens_created {doc}\n# TYPE vllm:generation_tokens_created gauge\n"
+            f"vllm:generation_tokens_created{{{label}}} {created}\n")
+
+
 class VllmEndpoints:
     """Handler methods for the endpoints only the vLLM flavour serves (mixed into the handler)."""
 
@@ -245,9 +257,13 @@ class VllmEndpoints:
     def _vllm_metrics(self, _body: bytes) -> None:
         running, waiting, tokens = self.sim._sched.load()
         config = self.sim.config
+        if config.disable_log_stats:  # no stat logger: only the HTTP instrumentator's series (none here)
+            self._send(200, b"", content_type=METRICS_CONTENT_TYPE)  # type: ignore[attr-defined]
+            return
         usage = min(1.0, tokens / config.max_total_num_tokens) if config.max_total_num_tokens else 0.0
         text = metrics_text(config.served_model_name, running, waiting, config.max_total_num_tokens // 16,
                             kv_usage=usage)
+        text += generation_tokens_lines(config.served_model_name, self.sim._sched.generated(), self.sim.created_t)
         text += spec_vllm.metrics_lines(config.served_model_name, self.sim.spec_counters, self.sim.created_t)
         self._send(200, text.encode(), content_type=METRICS_CONTENT_TYPE)  # type: ignore[attr-defined]
 

@@ -10,7 +10,7 @@ and steps.generate/plan/preflight; imported by tasks.py.
 """
 
 from dflash_pipeline.steps.evaluate.prepare import prepare, resolve_prompts
-from dflash_pipeline.steps.evaluate.report import EvalIncomplete, run_report
+from dflash_pipeline.steps.evaluate.report import EvalFailed, EvalIncomplete, run_report
 from dflash_pipeline.steps.evaluate.run import run_server
 
-__all__ = ["EvalIncomplete", "prepare", "resolve_prompts", "run_report", "run_server"]
+__all__ = ["EvalFailed", "EvalIncomplete", "prepare", "resolve_prompts", "run_report", "run_server"]

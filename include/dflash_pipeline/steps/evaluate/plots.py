@@ -1,5 +1,6 @@
 """The eval's plot: acceptance per drafter and condition (with CIs), per-position acceptance and the
-per-domain figures of the headline condition. Agg canvas, no pyplot state (as steps/validate/plots.py)."""
+per-domain figures of the headline condition, each bar labelled with the prompts it stands on ("no
+CI" where too few prompts for an interval). Agg canvas, no pyplot state (as steps/validate/plots.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def acceptance_plot(report: Mapping[str, Any]) -> bytes:
         ax1.bar(x + (i - (len(spec) - 1) / 2) * width, vals, width, yerr=[lo, hi], capsize=3, label=g)
     ax1.set_xticks(x, conds, rotation=25, ha="right", fontsize=8)
     ax1.set_ylabel("acceptance length (tokens / verify step)")
-    ax1.set_title("acceptance by condition (CI bars)")
+    ax1.set_title("acceptance by condition (CI bars; none under the prompt floor)")
     ax1.axhline(1.0, color="grey", lw=0.8)
     if spec:
         ax1.legend(fontsize=8)
@@ -58,7 +59,10 @@ def acceptance_plot(report: Mapping[str, Any]) -> bytes:
                 for d in domains],
                [(by[d]["ci_high"] - by[d]["acceptance_length"]) if d in by and by[d].get("ci_high") is not None else 0
                 for d in domains]]
-        ax3.bar(xd + (i - (len(spec) - 1) / 2) * width, vals, width, yerr=err, capsize=3, label=g)
+        bars = ax3.bar(xd + (i - (len(spec) - 1) / 2) * width, vals, width, yerr=err, capsize=3, label=g)
+        labels = [(f"n={by[d].get('prompts')}" + ("" if by[d].get("ci_low") is not None else "\nno CI"))
+                  if d in by and by[d].get("acceptance_length") is not None else "" for d in domains]
+        ax3.bar_label(bars, labels=labels, fontsize=6, padding=2)
     ax3.set_xticks(xd, domains, rotation=25, ha="right", fontsize=8)
     ax3.set_title(f"by domain ({headline})", fontsize=9)
     ax3.set_ylabel("acceptance length")
