@@ -56,6 +56,14 @@ def classes(encode: Any) -> tuple[dict[int, int], dict[int, int], int]:
     return token_class, following, other
 
 
+def word_ids(checkpoint: Path) -> list[int]:
+    """The cycle's token ids, in order, with the checkpoint's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    return tiny_qwen.single_ids(lambda text: tok.encode(text, add_special_tokens=False).ids, WORDS)
+
+
 def tensors(encode: Any, layers: int, seed: int = 0) -> dict[str, np.ndarray]:
     """The checkpoint's tensors (Qwen3ForCausalLM's names)."""
     hidden = tiny_qwen.HIDDEN
