@@ -19,7 +19,7 @@ Fixtures:
 * ``cycle_checkpoint`` (session): a second designed target whose greedy text is a known cycle of
   words (``dev/engine/cycle_qwen.py``, 3 layers); ``dflash_oracle`` (session): a DFlash drafter for
   it in SpecForge's format that drafts exactly that text, except after a word of the cycle's second
-  half (``ORACLE_WRONG_HALF``), where its first draft misses (``dev/engine/dflash_drafter.py``).
+  half (``oracle_wrong_tokens``), where its first draft misses (``dev/engine/dflash_drafter.py``).
 * ``vllm_dflash_server`` (session): the cycle target served through vLLM's DFlash path with that
   drafter (k 3, ``--per-request-spec-decode-metrics summary``): every verify step's acceptance is
   known in advance.
@@ -131,17 +131,19 @@ def cycle_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPathFact
     return cycle_qwen.build_checkpoint(tmp_path_factory.mktemp("cycle-qwen") / "ckpt", tokenizer_source=qwen_tokenizer)
 
 
-def oracle_wrong_tokens(checkpoint: Path) -> tuple[int, ...]:
+@pytest.fixture(scope="session")
+def oracle_wrong_tokens(cycle_checkpoint: Path) -> tuple[int, ...]:
     """The words after which the oracle's first draft misses: the cycle's second half."""
-    words = cycle_qwen.word_ids(checkpoint)
+    words = cycle_qwen.word_ids(cycle_checkpoint)
     return tuple(words[len(words) // 2:])
 
 
 @pytest.fixture(scope="session")
-def dflash_oracle(cycle_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dflash_oracle(cycle_checkpoint: Path, oracle_wrong_tokens: tuple[int, ...],
+                  tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The designed DFlash drafter of the cycle target (see the module docstring)."""
     return build_oracle(cycle_checkpoint, tmp_path_factory.mktemp("dflash-oracle") / "drafter", k=ORACLE_K,
-                        wrong_tokens=oracle_wrong_tokens(cycle_checkpoint))
+                        wrong_tokens=oracle_wrong_tokens)
 
 
 @pytest.fixture(scope="session")

@@ -24,12 +24,12 @@ import requests
 from dflash_pipeline.dev.engine.dflash_drafter import expected_histogram, oracle_accepts, read_class_target
 from dflash_pipeline.dev.stack.vllm_server import SpecCounters, spec_counters
 
-from .conftest import ORACLE_K, VllmEndpoint, oracle_wrong_tokens
-
 pytestmark = pytest.mark.slow
 
+K = 3  # the server's num_speculative_tokens (conftest.ORACLE_K; checked against the endpoint)
 
-def _ask(server: VllmEndpoint, seed: int, thinking: bool, temperature: float, max_tokens: int) -> dict[str, Any]:
+
+def _ask(server: Any, seed: int, thinking: bool, temperature: float, max_tokens: int) -> dict[str, Any]:
     body = {"model": server.model, "messages": [{"role": "user", "content": f"Question {seed}: count for me."}],
             "max_tokens": max_tokens, "temperature": temperature, "top_p": 0.95, "seed": seed,
             "chat_template_kwargs": {"enable_thinking": thinking}, "return_token_ids": True}
@@ -39,7 +39,7 @@ def _ask(server: VllmEndpoint, seed: int, thinking: bool, temperature: float, ma
     return answer
 
 
-def _settled(server: VllmEndpoint) -> SpecCounters:
+def _settled(server: Any) -> SpecCounters:
     last = spec_counters(server.base_url)
     for _ in range(25):
         time.sleep(0.2)
@@ -50,13 +50,13 @@ def _settled(server: VllmEndpoint) -> SpecCounters:
     return last
 
 
-def _expected(server: VllmEndpoint, answer: dict[str, Any]) -> list[int]:
+def _expected(server: Any, wrong: tuple[int, ...], answer: dict[str, Any]) -> list[int]:
     """The drafts each verify step of `answer` accepted, as the design says (and its text is the cycle)."""
+    assert server.speculative["num_speculative_tokens"] == K
     target = read_class_target(server.checkpoint_dir)
     ids = answer["choices"][0]["token_ids"]
     assert ids == target.chain(ids[0], len(ids) - 1), "the answer left the target's greedy cycle"
-    return oracle_accepts(target, ids[0], answer["usage"]["completion_tokens"], ORACLE_K,
-                          oracle_wrong_tokens(server.checkpoint_dir))
+    return oracle_accepts(target, ids[0], answer["usage"]["completion_tokens"], K, wrong)
 
 
 CASES = [  # (thinking, temperature, max_tokens): on starts the cycle at its first word, off at its middle
@@ -64,21 +64,21 @@ CASES = [  # (thinking, temperature, max_tokens): on starts the cycle at its fir
 
 
 @pytest.mark.parametrize(("thinking", "temperature", "max_tokens"), CASES)
-def test_each_step_accepts_what_the_design_says(vllm_dflash_server: VllmEndpoint, thinking: bool,
-                                                 temperature: float, max_tokens: int) -> None:
+def test_each_step_accepts_what_the_design_says(vllm_dflash_server: Any, oracle_wrong_tokens: tuple[int, ...],
+                                                 thinking: bool, temperature: float, max_tokens: int) -> None:
     before = _settled(vllm_dflash_server)
     answer = _ask(vllm_dflash_server, 7, thinking, temperature, max_tokens)
     delta = _settled(vllm_dflash_server) - before
     spec = answer["metrics"]["speculative_decoding"]
-    accepted = _expected(vllm_dflash_server, answer)
-    assert spec["acceptance_histogram"] == expected_histogram(accepted, ORACLE_K)
+    accepted = _expected(vllm_dflash_server, oracle_wrong_tokens, answer)
+    assert spec["acceptance_histogram"] == expected_histogram(accepted, K)
     assert spec["num_spec_steps"] == len(accepted) and spec["num_accepted_draft_tokens"] == sum(accepted)
-    assert spec["num_draft_tokens"] == ORACLE_K * len(accepted)  # DFlash always drafts k
+    assert spec["num_draft_tokens"] == K * len(accepted)  # DFlash always drafts k
     assert (delta.drafts, delta.accepted_tokens, delta.draft_tokens) == (
-        len(accepted), sum(accepted), ORACLE_K * len(accepted))
+        len(accepted), sum(accepted), K * len(accepted))
 
 
-def test_perfect_and_useless_drafts(vllm_dflash_server: VllmEndpoint) -> None:
+def test_perfect_and_useless_drafts(vllm_dflash_server: Any) -> None:
     """Within the cycle's first half every draft is accepted (acceptance length k + 1); from its middle,
     none (1.0, as an untrained drafter's)."""
     first_half = _ask(vllm_dflash_server, 1, True, 0.0, 21)["metrics"]["speculative_decoding"]
@@ -88,7 +88,7 @@ def test_perfect_and_useless_drafts(vllm_dflash_server: VllmEndpoint) -> None:
     assert second_half["draft_acceptance_rate"] == 0.0
 
 
-def test_batched_requests_each_exact(vllm_dflash_server: VllmEndpoint) -> None:
+def test_batched_requests_each_exact(vllm_dflash_server: Any, oracle_wrong_tokens: tuple[int, ...]) -> None:
     """Ten requests at once (different lengths, both halves, greedy and sampled): DFlash's batched
     context and mask slots keep each request's drafts its own."""
     cases = [(i % 2 == 0, 0.6 if i % 3 == 0 else 0.0, 24 + 9 * i) for i in range(10)]
@@ -96,8 +96,8 @@ def test_batched_requests_each_exact(vllm_dflash_server: VllmEndpoint) -> None:
     with ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda c: _ask(vllm_dflash_server, 100 + c[2], *c), cases))
     delta = _settled(vllm_dflash_server) - before
-    expected = [_expected(vllm_dflash_server, a) for a in answers]
+    expected = [_expected(vllm_dflash_server, oracle_wrong_tokens, a) for a in answers]
     for answer, accepted in zip(answers, expected):
         assert answer["metrics"]["speculative_decoding"]["acceptance_histogram"] == expected_histogram(accepted,
-                                                                                                      ORACLE_K)
+                                                                                                      K)
     assert delta.drafts == sum(len(a) for a in expected) and delta.accepted_tokens == sum(sum(a) for a in expected)

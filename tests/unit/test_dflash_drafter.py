@@ -95,7 +95,7 @@ def test_check_drafter_names_what_vllm_would_refuse(cycle_target: Path, tmp_path
     assert any("target_layer_ids" in p for p in check_drafter(bad_layer, cycle_target))
     wider = _edited(good, tmp_path / "wider", hidden_size=128)
     assert any("hidden_size 128" in p for p in check_drafter(wider, cycle_target))
-    assert any("head_dim" in p for p in check_drafter(_edited(good, tmp_path / "hd", head_dim=48), cycle_target))
+    assert any("head size 48" in p for p in check_drafter(_edited(good, tmp_path / "hd", head_dim=48), cycle_target))
     assert any("architectures" in p for p in check_drafter(_edited(good, tmp_path / "arch",
                                                                     architectures=["Qwen3ForCausalLM"]), cycle_target))
     weights = {k: read_tensor(good / "model.safetensors", k) for k in read_header(good / "model.safetensors")
@@ -158,3 +158,31 @@ def test_bf16_rounds_to_nearest_even(tmp_path: Path) -> None:
     assert [hex(b) for b in bits] == ["0x3f80", "0x4049", "0xbb24", "0x3f80", "0x3f82"]  # ties to even
     write_safetensors(tmp_path / "x.safetensors", {"x": to_bf16(values)})
     assert read_tensor(tmp_path / "x.safetensors", "x").tolist() == [1.0, 3.140625, -0.00250244140625, 1.0, 1.015625]
+
+
+def test_oracle_heads_select_by_distance(cycle_target: Path, tmp_path: Path) -> None:
+    """Head h's mask query scores the key at distance h highest, by a wide margin, over every distance a
+    2,048-token context and the draft block can hold (RMSNorm, then neox RoPE, as vLLM's DFlash layer)."""
+    drafter = build_oracle(cycle_target, tmp_path / "oracle", k=3)
+    cfg, w = read_config(drafter), drafter / "model.safetensors"
+    hd, eps = cfg["head_dim"], cfg["rms_norm_eps"]
+    mask_class = int(read_class_target(cycle_target).token_class[cfg["dflash_config"]["mask_token_id"]])
+    norm = lambda x, g: x / np.sqrt((x * x).mean() + eps) * g  # noqa: E731
+    inv = 1.0 / (cfg["rope_theta"] ** (np.arange(0, hd, 2) / hd))
+
+    def rotate(x: np.ndarray, pos: int) -> np.ndarray:
+        c, s = np.cos(pos * inv), np.sin(pos * inv)
+        return np.concatenate([x[: hd // 2] * c - x[hd // 2:] * s, x[hd // 2:] * c + x[: hd // 2] * s])
+
+    embed = np.zeros(cfg["hidden_size"])
+    embed[mask_class] = 8.0
+    distances = np.concatenate([np.arange(-8, 0), np.arange(0, 2100)])
+    for h in (1, 2, 3):
+        rows = slice((h - 1) * hd, h * hd)
+        q = norm(read_tensor(w, "layers.0.self_attn.q_proj.weight")[rows] @ embed,
+                 read_tensor(w, "layers.0.self_attn.q_norm.weight"))
+        k = norm(read_tensor(w, "layers.0.self_attn.k_proj.weight")[rows] @ embed,
+                 read_tensor(w, "layers.0.self_attn.k_norm.weight"))
+        scores = np.array([rotate(q, 3000) @ rotate(k, 3000 - d) / np.sqrt(hd) for d in distances])
+        assert distances[scores.argmax()] == h
+        assert scores.max() - np.sort(scores)[-2] > 25  # every other key weighs < e^-25 as much

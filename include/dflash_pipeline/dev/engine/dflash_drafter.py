@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +65,9 @@ QWEN3_DEFAULTS: dict[str, Any] = {"initializer_range": 0.02, "attention_bias": F
 """transformers' Qwen3Config defaults, which its save_pretrained writes when the target leaves them out."""
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM 0.32's CPU attention backend takes (``CPUAttentionBackend.get_supported_head_sizes``)."""
+QWEN3_HEAD_DIM = 128
+"""transformers' Qwen3Config default ``head_dim`` (not hidden / heads): what vLLM and SpecForge build
+when a Qwen3 config leaves it out."""
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -111,8 +113,7 @@ def drafter_config(target: Mapping[str, Any], *, mask_token_id: int, layers: int
     """The ``config.json`` SpecForge's export writes for a DFlash draft of `target` (its config dict)."""
     cfg: dict[str, Any] = {k: v for k, v in QWEN3_DEFAULTS.items()}
     cfg.update({k: target[k] for k in TARGET_FIELDS if target.get(k) is not None})
-    if "head_dim" not in cfg:
-        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg.setdefault("head_dim", QWEN3_HEAD_DIM)
     cfg.update(overrides)
     rope = {"rope_theta": cfg["rope_theta"], "rope_type": "default"}
     if cfg.get("rope_scaling"):
@@ -139,21 +140,26 @@ def drafter_config(target: Mapping[str, Any], *, mask_token_id: int, layers: int
     return dict(sorted(cfg.items()))
 
 
+def head_dim(cfg: Mapping[str, Any]) -> int:
+    """The attention head size as vLLM and SpecForge build it: ``head_dim``, else Qwen3Config's default."""
+    return int(cfg.get("head_dim") or QWEN3_HEAD_DIM)
+
+
 def weight_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DFlash drafter and its shape (``DFlashDraftModel``'s state dict)."""
     hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
+    hd, inter = head_dim(cfg), cfg["intermediate_size"]
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": (head_dim,),
-            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.k_proj.weight": (kv * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv * hd, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
             p + "post_attention_layernorm.weight": (hidden,),
             p + "mlp.gate_proj.weight": (inter, hidden),
             p + "mlp.up_proj.weight": (inter, hidden),
@@ -224,8 +230,8 @@ def check_drafter(drafter_dir: Path, target_dir: Path) -> list[str]:
         if cfg.get(key) != target.get(key):
             problems.append(f"{key} {cfg.get(key)} differs from the target's {target.get(key)} "
                             "(the drafter uses the target's embedding and lm_head)")
-    if cfg.get("head_dim") not in CPU_HEAD_SIZES:
-        problems.append(f"head_dim {cfg.get('head_dim')} is not one vLLM's CPU attention takes {CPU_HEAD_SIZES}")
+    if head_dim(cfg) not in CPU_HEAD_SIZES:
+        problems.append(f"head size {head_dim(cfg)} is not one vLLM's CPU attention takes {CPU_HEAD_SIZES}")
     if problems:
         return problems
     weights = Path(drafter_dir) / "model.safetensors"
@@ -293,8 +299,9 @@ def read_class_target(target_dir: Path) -> ClassTarget:
     return ClassTarget(token_class, greedy, tuple(d for d in range(embed.shape[1]) if d not in used))
 
 
-def _rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def _rope_inv_freq(size: int, theta: float) -> np.ndarray:
+    """RoPE's angular frequency of each rotated pair (transformers' and vLLM's default RoPE)."""
+    return 1.0 / (theta ** (np.arange(0, size, 2, dtype=np.float64) / size))
 
 
 ORACLE_PAIRS = 8
@@ -320,7 +327,9 @@ def oracle_tensors(target: ClassTarget, cfg: Mapping[str, Any], k: int, wrong_cl
     the class of the (i-1)-th greedy token after the bonus and the target's own lm_head drafts the
     i-th. Classes in `wrong_classes` map one greedy step too far instead (a known miss at offset 1).
     """
-    hidden, hd = cfg["hidden_size"], cfg["head_dim"]
+    hidden, hd = cfg["hidden_size"], head_dim(cfg)
+    if hidden > hd:
+        raise ValueError(f"hidden size {hidden} exceeds the head size {hd}: the oracle keeps classes in one head")
     ctx_dim = target.free_dims[-1]
     t = {name: np.zeros(shape, np.float32) for name, shape in weight_shapes(cfg).items()}
     for name in ("layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight", "norm.weight",
@@ -353,8 +362,6 @@ def oracle_tensors(target: ClassTarget, cfg: Mapping[str, Any], k: int, wrong_cl
             if c != mask_class:
                 drafted = after(c, h if c in wrong_classes else h - 1)
                 t["layers.0.self_attn.v_proj.weight"][(h - 1) * hd + drafted, c] = 1.0
-    if hidden > hd:
-        raise ValueError(f"hidden size {hidden} exceeds head_dim {hd}: the oracle keeps classes in one head")
     return t
 
 
@@ -398,11 +405,3 @@ def oracle_accepts(target: ClassTarget, first_token: int, completion_tokens: int
 def expected_histogram(accepted: list[int], k: int) -> list[int]:
     """vLLM's ``acceptance_histogram`` of those steps (index j: steps that accepted j drafts)."""
     return [sum(1 for a in accepted if a == j) for j in range(k + 1)]
-
-
-def _self_check() -> None:  # pragma: no cover - documentation of the selection margin
-    inv = _rope_inv_freq(64, 1e6)[:ORACLE_PAIRS]
-    xs = np.concatenate([np.arange(-16, 0), np.arange(1, 4200)])
-    margin = ORACLE_PAIRS - np.cos(np.outer(xs, inv)).sum(1).max()
-    logger.info("selection margin %.3f pair units (%.1f in score)", margin,
-                margin * 64 * ORACLE_NORM_WEIGHT**2 / ORACLE_PAIRS / math.sqrt(64))
