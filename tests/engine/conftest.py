@@ -49,6 +49,8 @@ from dflash_pipeline.dev.stack.vllm_server import (
 )
 
 ORACLE_K = 3
+START_TIMEOUT_S = 540.0
+"""Spawn to /health 200: 38-80 s on an idle runner, 200-370 s seen when other jobs load the 2 cores."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def tiny_qwen_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPath
 def _serve(checkpoint: Path, settings: VllmSettings, workdir: Path) -> Iterator[VllmEndpoint]:
     _require_vllm()
     server = VllmServer(checkpoint, settings, workdir=workdir)
-    server.start()
+    server.start(timeout_s=START_TIMEOUT_S)
     assert server.log_path is not None and server.started_in_s is not None
     try:
         spec = None if settings.speculative_config is None else dict(settings.speculative_config)

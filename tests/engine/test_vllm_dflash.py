@@ -14,7 +14,6 @@ by test_vllm_spec.py (its ``spec_server`` includes ``dflash``).
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 import requests
 
 from dflash_pipeline.dev.engine.dflash_drafter import expected_histogram, oracle_accepts, read_class_target
-from dflash_pipeline.dev.stack.vllm_server import SpecCounters, spec_counters
+from dflash_pipeline.dev.stack.vllm_server import settled_spec_counters
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +36,6 @@ def _ask(server: Any, seed: int, thinking: bool, temperature: float, max_tokens:
     assert r.status_code == 200, r.text
     answer: dict[str, Any] = r.json()
     return answer
-
-
-def _settled(server: Any) -> SpecCounters:
-    last = spec_counters(server.base_url)
-    for _ in range(25):
-        time.sleep(0.2)
-        now = spec_counters(server.base_url)
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 def _expected(server: Any, wrong: tuple[int, ...], answer: dict[str, Any]) -> list[int]:
@@ -66,9 +54,9 @@ CASES = [  # (thinking, temperature, max_tokens): on starts the cycle at its fir
 @pytest.mark.parametrize(("thinking", "temperature", "max_tokens"), CASES)
 def test_each_step_accepts_what_the_design_says(vllm_dflash_server: Any, oracle_wrong_tokens: tuple[int, ...],
                                                  thinking: bool, temperature: float, max_tokens: int) -> None:
-    before = _settled(vllm_dflash_server)
+    before = settled_spec_counters(vllm_dflash_server.base_url)
     answer = _ask(vllm_dflash_server, 7, thinking, temperature, max_tokens)
-    delta = _settled(vllm_dflash_server) - before
+    delta = settled_spec_counters(vllm_dflash_server.base_url) - before
     spec = answer["metrics"]["speculative_decoding"]
     accepted = _expected(vllm_dflash_server, oracle_wrong_tokens, answer)
     assert spec["acceptance_histogram"] == expected_histogram(accepted, K)
@@ -92,10 +80,10 @@ def test_batched_requests_each_exact(vllm_dflash_server: Any, oracle_wrong_token
     """Ten requests at once (different lengths, both halves, greedy and sampled): DFlash's batched
     context and mask slots keep each request's drafts its own."""
     cases = [(i % 2 == 0, 0.6 if i % 3 == 0 else 0.0, 24 + 9 * i) for i in range(10)]
-    before = _settled(vllm_dflash_server)
+    before = settled_spec_counters(vllm_dflash_server.base_url)
     with ThreadPoolExecutor(len(cases)) as pool:
         answers = list(pool.map(lambda c: _ask(vllm_dflash_server, 100 + c[2], *c), cases))
-    delta = _settled(vllm_dflash_server) - before
+    delta = settled_spec_counters(vllm_dflash_server.base_url) - before
     expected = [_expected(vllm_dflash_server, oracle_wrong_tokens, a) for a in answers]
     for answer, accepted in zip(answers, expected):
         assert answer["metrics"]["speculative_decoding"]["acceptance_histogram"] == expected_histogram(accepted,

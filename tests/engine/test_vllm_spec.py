@@ -23,7 +23,7 @@ import requests
 from dflash_pipeline.dev.stack.vllm_server import (
     CPU_FIX_DIR,
     SpecCounters,
-    spec_counters,
+    settled_spec_counters,
     vllm_unavailable,
     vllm_venv,
 )
@@ -70,16 +70,7 @@ def _stream(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _counters(server: Any) -> SpecCounters:
     """/metrics's spec counters once two reads agree (they are updated as the response is sent)."""
-    import time
-
-    last = spec_counters(server.base_url)
-    for _ in range(25):
-        time.sleep(0.2)
-        now = spec_counters(server.base_url)
-        if now == last:
-            return now
-        last = now
-    return last
+    return settled_spec_counters(server.base_url)
 
 
 def _check_fields(spec: dict[str, Any], k: int) -> None:

@@ -111,7 +111,7 @@ def drafter_config(target: Mapping[str, Any], *, mask_token_id: int, layers: int
                    block_size: int = DEFAULT_BLOCK_SIZE, layer_ids: list[int] | None = None,
                    dtype: str = "bfloat16", **overrides: Any) -> dict[str, Any]:
     """The ``config.json`` SpecForge's export writes for a DFlash draft of `target` (its config dict)."""
-    cfg: dict[str, Any] = {k: v for k, v in QWEN3_DEFAULTS.items()}
+    cfg: dict[str, Any] = dict(QWEN3_DEFAULTS)
     cfg.update({k: target[k] for k in TARGET_FIELDS if target.get(k) is not None})
     cfg.setdefault("head_dim", QWEN3_HEAD_DIM)
     cfg.update(overrides)

@@ -148,6 +148,19 @@ def spec_counters(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
     return parse_spec_counters(r.text)
 
 
+def settled_spec_counters(base_url: str, reads: int = 25, interval_s: float = 0.2) -> SpecCounters:
+    """The spec-decode counters once two reads `interval_s` apart agree (vLLM updates them as a
+    response is sent, so a read right after one may miss it), or the last of `reads` reads."""
+    last = spec_counters(base_url)
+    for _ in range(reads):
+        time.sleep(interval_s)
+        now = spec_counters(base_url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 @dataclass(frozen=True)
 class VllmSettings:
     """The server's knobs (defaults sized for the tiny model on a 2-core machine)."""
