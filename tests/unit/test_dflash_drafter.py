@@ -96,6 +96,10 @@ def test_check_drafter_names_what_vllm_would_refuse(cycle_target: Path, tmp_path
     wider = _edited(good, tmp_path / "wider", hidden_size=128)
     assert any("hidden_size 128" in p for p in check_drafter(wider, cycle_target))
     assert any("head size 48" in p for p in check_drafter(_edited(good, tmp_path / "hd", head_dim=48), cycle_target))
+    no_head_dim = _edited(good, tmp_path / "no-head-dim")
+    (no_head_dim / "config.json").write_text(json.dumps({k: v for k, v in read_config(good).items() if k != "head_dim"}))
+    assert "layers.0.self_attn.q_norm.weight has shape [64], the config implies [128]" in check_drafter(
+        no_head_dim, cycle_target)  # Qwen3Config's default head_dim is 128, not hidden / heads: vLLM fails to load it
     assert any("architectures" in p for p in check_drafter(_edited(good, tmp_path / "arch",
                                                                     architectures=["Qwen3ForCausalLM"]), cycle_target))
     weights = {k: read_tensor(good / "model.safetensors", k) for k in read_header(good / "model.safetensors")
