@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("urllib3", "dflash_pipeline.dev.stack", "dflash_pipeline.dev.engine"):
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             drafters.append(("given", args.drafter_dir))
         for kind, drafter in drafters:
             settings = VllmSettings(served_model_name="target", speculative_config=dflash_spec(drafter, args.k))
-            with VllmServer(target, settings, workdir=Path(tmp) / f"server-{kind}") as server:
+            server = VllmServer(target, settings, workdir=Path(tmp) / f"server-{kind}")
+            with server.start(timeout_s=args.start_timeout):
                 logger.info("%s", json.dumps({"target": args.target, "drafter": kind, "k": args.k,
                                               "server_start_s": round(server.started_in_s or 0, 1)}))
                 for thinking in (True, False):
