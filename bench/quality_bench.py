@@ -184,30 +184,60 @@ def bench_rows(n: int, seed: int) -> dict[str, Any]:
     return res
 
 
-def bench_tally(parts: int, rows_per_part: int, workers: list[int], seed: int) -> None:
-    """Wall time of QualityTally.add over `parts` parts (the validation path: signals + MinHash), per
-    worker count; the parts are built first (Arrow tables in the part schema)."""
+def bench_part_wise(n: int, seed: int, part_rows: int = 500, tokenizer: str | None = None) -> None:
+    """Issue 40: each signal row by row (the functions validation called per row before) and part-wise (what a
+    part's digest calls now), side by side, in ms per row; then a whole digest per part (`make_digest`: checks,
+    signals and, with --qwen-tokenizer, the recount with Qwen's byte-level BPE) as the generate worker makes it."""
     from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.dataset.records import decode_part, encode_part
-    from dflash_pipeline.steps.quality.tally import QualityTally
+    from dflash_pipeline.steps.quality import signals as sg
 
-    rows = make_rows(rows_per_part, seed)
+    s = QualitySettings()
+    rows = make_rows(n, seed)
+    sg.identify_language("warm up the identifier model, loaded once per process", s)
+    parts = [rows[i:i + part_rows] for i in range(0, n, part_rows)]
+    cases = {
+        "loop, reasoning": (lambda: [sg.is_loop(r["reasoning"], s) for r in rows],
+                            lambda: [sg.loop_flags([r["reasoning"] for r in p], s) for p in parts]),
+        "loop, answer": (lambda: [sg.is_loop(r["content"], s) for r in rows],
+                         lambda: [sg.loop_flags([r["content"] for r in p], s) for p in parts]),
+        "language": (lambda: [sg.identify_language(r["content"], s) for r in rows],
+                     lambda: [sg.identify_language(r["content"], s) for r in rows]),
+        "refusal": (lambda: [sg.is_refusal(r["content"], s) for r in rows],
+                    lambda: [sg.is_refusal(r["content"], s) for r in rows]),
+        "row_signals (all)": (lambda: [sg.row_signals(r, s) for r in rows],
+                              lambda: [sg.part_row_signals(p, s) for p in parts]),
+    }
+    print(f"| signal | row by row (ms/row) | part-wise (ms/row) | ratio | load |  ({n} rows, {part_rows}-row parts)")
+    print("|---|---:|---:|---:|---:|")
+    for name, (before, after) in cases.items():
+        t0 = time.perf_counter()
+        before()
+        t1 = time.perf_counter()
+        after()
+        t2 = time.perf_counter()
+        b, a = (t1 - t0) / n * 1e3, (t2 - t1) / n * 1e3
+        print(f"| {name} | {b:.3f} | {a:.3f} | {b / a:.1f}x | {loadavg()} |", flush=True)
+    from dflash_pipeline.steps.validate.digest import DigestContext, make_digest
+
+    recounter = None
+    if tokenizer:
+        from dflash_pipeline.steps.validate.tokencount import load_recounter
+
+        recounter = load_recounter(tokenizer, lambda b, k: None, enable_thinking=True)
     for i, r in enumerate(rows):
-        r["messages"] = [{"role": "user", "content": f"Problem {i}: " + r["reasoning"][:400]}]
-    table = decode_part(encode_part(rows))
-    for w in workers:
-        t = QualityTally(QualitySettings(), workers=w)
-        started = time.perf_counter()
-        for _ in range(parts):
-            t.add(table)
-        while t._pending:  # drain as finish() does, without the S3 write
-            t._merge(t._pending.popleft().result())
-        t.close()
-        wall = time.perf_counter() - started
-        n = parts * rows_per_part
-        print(json.dumps({"workers": w, "rows": n, "wall_s": round(wall, 2), "ms_per_row": round(wall / n * 1e3, 3),
-                          "cpus": os.cpu_count(), "load_1min": loadavg(),
-                          "900k_wall_min": round(wall / n * 902_087 / 60, 1)}), flush=True)
+        r.update(id=f"r{i}", server="s0", latency_s=1.0, prompt_tokens=20, completion_tokens=4000, thinking=True)
+    tables = [decode_part(encode_part(p)) for p in parts]
+    for label, ctx in (("digest, signals", DigestContext("p", True, s)),
+                       ("digest, no signals", DigestContext("p", True, None)),
+                       *((("digest, signals + Qwen BPE recount", DigestContext("p", True, s, recounter, tokenizer)),)
+                         if recounter else ())):
+        t0 = time.perf_counter()
+        for p, table in zip(parts, tables):
+            make_digest(table, [r["id"] for r in p], 0, "", ctx)
+        wall = time.perf_counter() - t0
+        print(f"{label}: {wall / n * 1e3:.3f} ms/row, {wall / len(parts):.2f} s per {part_rows}-row part "
+              f"(load {loadavg()})", flush=True)
 
 
 def bench_examples() -> None:
@@ -248,8 +278,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--skip-near-dup", action="store_true")
     ap.add_argument("--examples", action="store_true", help="only the figures about the known texts (seconds)")
-    ap.add_argument("--tally-parts", type=int, default=0, help="also time QualityTally over this many 500-row parts")
-    ap.add_argument("--workers", default="1,2", help="worker counts for --tally-parts")
+    ap.add_argument("--part-wise", action="store_true", help="issue 40: each signal row by row vs part-wise, and "
+                    "a part's digest")
+    ap.add_argument("--qwen-tokenizer", help="tokenizer dir (make qwen-tokenizer) for the digest's recount")
     a = ap.parse_args()
     print(f"load average (1 min) at start: {loadavg()}", flush=True)
     if a.examples:
@@ -257,10 +288,10 @@ def main() -> None:
         return
     if not a.skip_near_dup:
         bench_near_dup(a.prompts, [int(x) for x in a.num_perm.split(",")], a.threshold, a.dup_share, a.seed)
-    if a.rows:
+    if a.part_wise:
+        bench_part_wise(a.rows, a.seed, tokenizer=a.qwen_tokenizer)
+    elif a.rows:
         bench_rows(a.rows, a.seed)
-    if a.tally_parts:
-        bench_tally(a.tally_parts, 500, [int(x) for x in a.workers.split(",")], a.seed)
 
 
 if __name__ == "__main__":

@@ -180,7 +180,33 @@ def write_dataset(endpoint: str, rows: int, save_every: int, n_servers: int, max
 
 
 # -- children ----------------------------------------------------------------------------------
-def child_validate(endpoint: str) -> None:
+def child_digests(endpoint: str, signals: bool) -> None:
+    """What the generate workers do as parts land (issue 40): every part's digest and, with signals, the
+    near-duplicate search beside generation. Timed apart: the fleet spends it during generation."""
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.dev.stack import s3_client
+    from dflash_pipeline.steps.validate.run import compute_digests, near_duplicates, read_manifest
+
+    client = s3_client(endpoint)
+    quality = QualitySettings(enabled=signals)
+    started = time.monotonic()
+    cpu0 = time.process_time()
+    got = compute_digests(client, f"s3://{BUCKET}/{ROOT}", 0, 1, quality=quality)
+    near_s = 0.0
+    if signals:
+        layout = DatasetLayout.from_uri(f"s3://{BUCKET}/{ROOT}")
+        store = Store(client, BUCKET)
+        t0 = time.monotonic()
+        near_duplicates(store, layout, read_manifest(store, layout), quality)
+        near_s = time.monotonic() - t0
+    print("RESULT " + json.dumps({"wall_s": round(time.monotonic() - started, 1), "near_dup_s": round(near_s, 1),
+                                  "cpu_s": round(time.process_time() - cpu0, 1), **got}), flush=True)
+
+
+def child_validate(endpoint: str, signals: bool = True) -> None:
+    from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.dev.stack import s3_client
     from dflash_pipeline.steps.validate import ValidationFailed, run_validation
 
@@ -189,7 +215,7 @@ def child_validate(endpoint: str) -> None:
     cpu0 = time.process_time()
     status = "passed"
     try:
-        report = run_validation(client, f"s3://{BUCKET}/{ROOT}")
+        report = run_validation(client, f"s3://{BUCKET}/{ROOT}", quality=QualitySettings(enabled=signals))
     except ValidationFailed as exc:
         status = f"failed: {exc}"[:300]
         report = json.loads(client.get_object(Bucket=BUCKET, Key=f"{ROOT}/report.json")["Body"].read())
@@ -201,7 +227,7 @@ def child_validate(endpoint: str) -> None:
         "status": status,
         "headline": {k: report[k] for k in ("prompts", "completions", "errors", "missing", "duplicates", "truncated",
                                             "truncation_rate", "output_tokens")},
-        "output_tokens_stats": report["token_stats"]["output_tokens"],
+        "output_tokens_stats": report["token_stats"]["output_tokens"], "digests": report.get("digests"),
     }
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -259,6 +285,43 @@ def _child(args: list[str]) -> dict[str, Any]:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _delete(client: Any, prefix: str) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+
+
+def compare(moto: Any, max_load: float) -> None:
+    """Signals on (merged), off (merged), and the batch pass, each validation in its own child."""
+    client = moto.client()
+    rows: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = []
+    for signals in ("on", "off"):
+        load = wait_for_quiet(max_load)
+        d = _child(["--child", "digests", "--signals", signals, "--endpoint", moto.endpoint_url])
+        print(f"digests (signals {signals}; the workers' share, during generation; load {load:.2f}): {json.dumps(d)}",
+              flush=True)
+        load = wait_for_quiet(max_load)
+        v = _child(["--child", "validate", "--signals", signals, "--endpoint", moto.endpoint_url])
+        v["load"] = load
+        rows.append((f"merge, signals {signals}", v, d))
+    _delete(client, f"{ROOT}/digests/")
+    _delete(client, f"{ROOT}/quality/")
+    load = wait_for_quiet(max_load)
+    v = _child(["--child", "validate", "--signals", "on", "--endpoint", moto.endpoint_url])
+    v["load"] = load
+    rows.append(("batch pass, signals on", v, None))
+    print("| validation after the last part | wall | rows/s | cpu | peak RSS | digests stored / computed | load |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for name, v, _ in rows:
+        dg = v.get("digests") or {}
+        print(f"| {name} | {v['wall_s']} s | {v['rows_per_s']:,} | {v['cpu_s']} s | {v['maxrss_mib']} MiB | "
+              f"{dg.get('stored')} / {dg.get('computed')} | {v['load']:.2f} |")
+    for name, _, d in rows:
+        if d:
+            print(f"workers' digests for '{name}': {d['wall_s']} s wall, {d['cpu_s']} s cpu in one process "
+                  f"(near-duplicates {d['near_dup_s']} s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=902_087)
@@ -273,11 +336,18 @@ def main() -> int:
     ap.add_argument("--recount-reference", action="store_true",
                     help="also time the previous method (texts and conversation encoded separately)")
     ap.add_argument("--max-load", type=float, default=1.5)
-    ap.add_argument("--child", choices=["validate", "recount"])
+    ap.add_argument("--compare", action="store_true",
+                    help="issue 40: validation after the last part with signals on (digests merged), off, and the batch "
+                         "pass (every digest computed at validation), side by side; skips the recount sample")
+    ap.add_argument("--signals", choices=["on", "off"], default="on")
+    ap.add_argument("--child", choices=["validate", "recount", "digests"])
     ap.add_argument("--endpoint")
     args = ap.parse_args()
     if args.child == "validate":
-        child_validate(args.endpoint)
+        child_validate(args.endpoint, args.signals == "on")
+        return 0
+    if args.child == "digests":
+        child_digests(args.endpoint, args.signals == "on")
         return 0
     if args.child == "recount":
         child_recount(args.endpoint, args.recount_parts, args.recount_tokenizer, args.recount_reference)
@@ -297,6 +367,9 @@ def main() -> int:
               f"{totals['input_bytes'] / 2**20:.0f} MiB; written in {totals['write_s']} s; moto RSS {moto_rss:,.0f} MiB",
               flush=True)
 
+        if args.compare:
+            compare(moto, args.max_load)
+            return 0
         if not args.recount_only:
             load = wait_for_quiet(args.max_load)
             print(f"validation (load average {load:.2f}, {Path('/proc/loadavg').read_text().split()[:3]})", flush=True)

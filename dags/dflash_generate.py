@@ -5,8 +5,10 @@ Regenerate every completion of a prompt set with the target reasoning model on a
 servers (one per GPU), writing drafter training data to S3.
 
 `plan` checks the prompt file and splits it into chunks → `preflight` checks every server →
-`generate` (one mapped task per server; chunks move to whichever server has free slots) →
-`validate_and_count` checks that every prompt is present exactly once and counts tokens.
+`generate` (one mapped task per server; chunks move to whichever server has free slots; each part's
+digest and live quality figures are computed as it lands) → `digest_parts` (mapped: the digests still
+missing) → `validate_and_count` merges the digests, checks that every prompt is present exactly once and
+counts tokens. `near_duplicates` searches the plan's prompts beside generation.
 
 Rerunning into the same `output_uri` only does what is missing. Running it: README.md; outputs and
 their layout: docs/architecture.md; every param: docs/params.md.
@@ -72,10 +74,33 @@ def dflash_generate() -> None:
         ctx = get_current_context()
         return tasks.validate(ctx["params"], ctx["outlet_events"], ctx["run_id"])
 
-    servers = preflight(plan())
+    @task(retries=1)
+    def near_duplicates(plan_info: dict[str, Any]) -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        return tasks.near_duplicates(get_current_context()["params"])
+
+    @task
+    def digest_shards(plan_info: dict[str, Any]) -> list[int]:
+        from dflash_pipeline import tasks
+
+        return tasks.digest_shards(get_current_context()["params"])
+
+    @task(trigger_rule=TriggerRule.ALL_DONE, retries=1)
+    def digest_parts(shard: int) -> dict[str, Any]:
+        from dflash_pipeline import tasks
+
+        return tasks.digest_parts(get_current_context()["params"], shard)
+
+    planned = plan()
+    servers = preflight(planned)
     # ALL_DONE: a server lost for good fails its own task, but the others finished its work, so the
-    # dataset is judged on its contents. Validation fails if anything is missing.
-    generate.expand(server=servers) >> validate_and_count()
+    # dataset is judged on its contents. Validation fails if anything is missing; it computes the
+    # near-duplicates and any digest itself when their tasks failed.
+    digests = digest_parts.expand(shard=digest_shards(planned))
+    validate = validate_and_count()
+    generate.expand(server=servers) >> digests >> validate
+    near_duplicates(planned) >> validate
 
 
 dflash_generate()

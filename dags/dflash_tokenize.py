@@ -13,6 +13,8 @@ event names the dataset); triggered by hand it tokenizes the dataset named by `o
 `prepare` checks the hand-off and the tokenizer and splits the parts among `workers` →
 `tokenize` (one mapped task per worker; parts already written are skipped) → `report` writes
 `tokenized/report.json` + `.md` and emits the `dflash_tokenized` asset event.
+`answers: original` tokenizes the input's own answers (`original_messages`) instead, as a named tokenization:
+the baseline a drafter trained on the regenerated answers is measured against.
 Params, rules and layout: docs/tokenize.md; training on the files: docs/trainers.md.
 """
 

@@ -35,11 +35,12 @@ def _fail_fast() -> Iterator[None]:
     from dflash_pipeline.steps.plan import PlanError
     from dflash_pipeline.steps.tokenize import TokenizeFailed
     from dflash_pipeline.steps.validate import ValidationFailed
+    from dflash_pipeline.steps.validate.partwatch import RunStoppedEarly
 
     try:
         yield
     except (ConfigError, PlanError, ServerConfigError, StoreConfigError, ValidationFailed, UriError,
-            TokenizeFailed) as exc:
+            TokenizeFailed, RunStoppedEarly) as exc:
         raise AirflowFailException(f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -180,14 +181,56 @@ def generate(
                 store, layout.progress_key(run_id, settings.worker), run_id=run_id, try_number=try_number,
                 every_s=settings.progress_every_s, n_servers=len(cfg.servers),
             )
-        worker = Worker(store, layout, manifest, settings, on_progress=on_progress)
+        watcher = part_watcher(cfg, params, store, layout, manifest, run_id, settings.worker, server=spec.name)
+        worker = Worker(store, layout, manifest, settings, on_progress=on_progress,
+                        on_part_committed=watcher.committed)
+        watcher.on_stop = lambda message: worker.request_stop()
         if worker.all_done():
+            watcher.close(0)
             logger.info("every chunk of %s is already committed; nothing to do for %s", layout.uri, spec.name)
             return {"worker": settings.worker, "server": spec.name, "nothing_to_do": True, "completions": 0}
         session = new_session()
         _wait_for_server(spec, cfg.server_lost_after_s, lambda: check_health(session, spec))
+        return _run_watched(worker, watcher)
+
+
+def part_watcher(cfg: RunConfig, params: dict[str, Any], store: Any, layout: DatasetLayout, manifest: dict[str, Any],
+                 run_id: str, worker: str, server: str | None = None) -> Any:
+    """The generate task's on-part-committed hook: digests, live quality, fail fast (steps/validate/partwatch.py)."""
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.steps.quality.live import limits_from
+    from dflash_pipeline.steps.validate.partwatch import PartWatcher
+    from dflash_pipeline.steps.validate.run import digest_context, load_recounter_for
+
+    quality = QualitySettings.from_params(params)
+    thinking = bool(manifest["pinned"]["sampling"]["enable_thinking"])
+    recounter = load_recounter_for(store.client, cfg.tokenizer, thinking)
+    return PartWatcher(store, layout, digest_context(manifest, quality, recounter, cfg.tokenizer), run_id=run_id,
+                       worker=worker, fail_fast=cfg.fail_fast, server=server,
+                       limits=limits_from(cfg.max_truncation_rate, cfg.max_missing_reasoning_rate, cfg.max_loop_rate))
+
+
+def _run_watched(worker: Any, watcher: Any) -> dict[str, Any]:
+    """Run the worker; a live figure surely above its limit stops it and fails the task with the figure."""
+    from dflash_pipeline.steps.generate import TaskStopped
+    from dflash_pipeline.steps.validate.partwatch import RunStoppedEarly
+
+    try:
         with _stop_on_sigterm(worker.request_stop):
-            return worker.run()
+            result = worker.run()
+    except TaskStopped as exc:
+        watcher.close(5.0)
+        if watcher.verdict:
+            raise RunStoppedEarly(watcher.verdict) from exc
+        raise
+    except BaseException:
+        watcher.close(5.0)
+        raise
+    watcher.close(120.0)
+    if watcher.verdict:  # the figure came with the last parts: the run is complete, validation judges it
+        logger.warning("%s", watcher.verdict)
+    result["digests_written"] = watcher.digests_written
+    return result
 
 
 def _stop_on_sigterm(request_stop: Callable[[], None]) -> Any:
@@ -214,7 +257,7 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
         _record_concurrency(cfg, run_id)
     thresholds = Thresholds(
         max_error_rate=cfg.max_error_rate, max_truncation_rate=cfg.max_truncation_rate, min_coverage=cfg.min_coverage,
-        max_missing_reasoning_rate=cfg.max_missing_reasoning_rate,
+        max_missing_reasoning_rate=cfg.max_missing_reasoning_rate, max_loop_rate=cfg.max_loop_rate,
     )
     with _fail_fast():
         report = run_validation(s3_client(cfg.aws_conn_id), cfg.output_uri, thresholds=thresholds, tokenizer=cfg.tokenizer,
@@ -230,6 +273,39 @@ def validate(params: dict[str, Any], outlet_events: Any = None, run_id: str | No
         outlet_events[completions_asset()].extra = extra
         logger.info("asset event %s: %s", completions_asset().uri, extra)
     return summary
+
+
+def near_duplicates(params: dict[str, Any]) -> dict[str, Any]:
+    """The plan's near-duplicate prompts, found beside generation (validation reuses them)."""
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.steps.validate.run import near_duplicates as find, read_manifest
+
+    cfg = config_from_params(params)
+    quality = QualitySettings.from_params(params)
+    if not quality.enabled:
+        return {"skipped": "quality_signals is false"}
+    with _fail_fast():
+        layout = DatasetLayout.from_uri(cfg.output_uri)
+        store = Store(s3_client(cfg.aws_conn_id), layout.bucket)
+        rows, summary, key = find(store, layout, read_manifest(store, layout), quality)
+    return {"key": key, "duplicates": len(rows), **{k: v for k, v in summary.items() if k != "computed"}}
+
+
+def digest_shards(params: dict[str, Any]) -> list[int]:
+    """The shards of the remaining digest work: one mapped task each (validation_workers)."""
+    return list(range(config_from_params(params).validation_workers))
+
+
+def digest_parts(params: dict[str, Any], shard: int) -> dict[str, Any]:
+    """Compute the digests validation still lacks for one shard of the chunks."""
+    from dflash_pipeline.config.quality import QualitySettings
+    from dflash_pipeline.steps.validate.run import compute_digests
+
+    cfg = config_from_params(params)
+    with _fail_fast():
+        return compute_digests(s3_client(cfg.aws_conn_id), cfg.output_uri, shard, cfg.validation_workers,
+                               tokenizer=cfg.tokenizer, quality=QualitySettings.from_params(params))
 
 
 def _record_concurrency(cfg: Any, run_id: str) -> None:
@@ -298,7 +374,7 @@ def tokenize_report(params: dict[str, Any], datasets: list[dict[str, Any]], outl
 
     cfg = tokenize_config(params)
     client = s3_client(cfg.aws_conn_id)
-    keys = ("output_uri", "tokenization", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
+    keys = ("output_uri", "tokenization", "answers", "report_key", "card_key", "tokenized_prefix", "files", "rows_in", "rows_out", "rows_dropped",
             "dropped_by_reason", "ids_source", "unverified", "tokens", "loss_tokens", "truncated_to_max_length",
             "gate", "dropped_by_thinking")
     with _fail_fast():

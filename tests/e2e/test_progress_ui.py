@@ -10,6 +10,7 @@ with UPDATE_DOCS_SCREENSHOTS=1.
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 import uuid
@@ -64,7 +65,7 @@ def _run_path(run_id: str) -> str:
 
 
 def _view(stack: AirflowStack, run_id: str) -> dict[str, Any]:
-    resp = stack.rest("GET", f"/dflash/api/runs/{_run_path(run_id)}")
+    resp = stack.rest("GET", f"/dflash/api/runs/{_run_path(run_id)}", timeout_s=120)  # a loaded 2-core runner
     assert resp.status_code == 200, resp.text[:500]
     return dict(resp.json())
 
@@ -89,6 +90,25 @@ def _finished_run(stack: AirflowStack, s3: Any, bucket: str, fleet: Any) -> str:
         assert stack.wait_run(DAG, run_id, timeout_s=400) == "success"
         _finished["run_id"] = run_id
     return str(_finished["run_id"])
+
+
+def _tokenize_run(stack: AirflowStack, generate_run: str) -> str:
+    """dflash_tokenize of the finished dataset, triggered by hand so that every row is dropped (min_loss_tokens
+    100000; with the sim tokenizer the rows' ids are already refused as differing from the engine's counts),
+    for a reason the table names; the gate then fails the run after writing its report, which the page shows."""
+    from dflash_pipeline.dev.sim.tokenizer import build_sim_tokenizer
+
+    view = _view(stack, generate_run)
+    tok = build_sim_tokenizer(ARTIFACTS / "sim-tokenizer")
+    stack.wait_dag("dflash_tokenize")
+    run_id = f"manual__tok_{uuid.uuid4().hex[:8]}"
+    conf = {"output_uri": view["output_uri"], "tokenizer": str(tok), "min_kept_share": 0.0, "drop_quality": [],
+            "min_loss_tokens": 100000, "tokenization": "ui-drops"}
+    resp = stack.rest("POST", "/api/v2/dags/dflash_tokenize/dagRuns", json={"dag_run_id": run_id,
+                                                                           "logical_date": None, "conf": conf})
+    assert resp.status_code in (200, 201), resp.text[:1000]
+    stack.wait_run("dflash_tokenize", run_id, timeout_s=400)
+    return run_id
 
 
 def test_airflow_lists_the_plugin(airflow_stack: AirflowStack) -> None:
@@ -120,14 +140,19 @@ def test_endpoints_follow_a_run_and_refuse_anonymous_requests(
 
     # While it runs: the servers report, done counts only what is finished, and there is an ETA.
     seen: dict[str, Any] | None = None
+    live_seen: dict[str, Any] | None = None  # issue 40: live quality figures while the run generates
     deadline = time.monotonic() + 300
-    while seen is None:
+    while seen is None or live_seen is None:
         view = _view(airflow_stack, run_id)
         p = view["progress"]
         if view["run_state"] in ("success", "failed") or time.monotonic() > deadline:
-            pytest.fail(f"never saw the run in progress: {json.dumps(view)[:2000]}")
+            pytest.fail(f"never saw the run in progress{' (progress)' if seen is None else ''}"
+                        f"{' (live quality)' if live_seen is None else ''}: {json.dumps(view)[:2000]}")
+        lq = view.get("live_quality") or {}
+        if live_seen is None and lq.get("overall", {}).get("completions") and p and p["prompts_done"] < N:
+            live_seen = view
         live = [s for s in (p or {}).get("servers", []) if s["state"] == "running"]
-        if p and len(live) == 2 and 0 < p["prompts_done"] < N and p["eta_s"] is not None:
+        if seen is None and p and len(live) == 2 and 0 < p["prompts_done"] < N and p["eta_s"] is not None:
             seen = view
             committed = s3.list_objects_v2(Bucket=ui_bucket, Prefix="ds/ui/completions/").get("KeyCount", 0)
         else:
@@ -140,6 +165,11 @@ def test_endpoints_follow_a_run_and_refuse_anonymous_requests(
     assert p["output_tokens_per_s"] > 0 and p["eta_s"] > 0 and p["in_flight"] > 0
     assert sorted(s["server"] for s in p["servers"]) == sorted(ui_fleet.urls)
     assert len(p["series"]["t"]) >= 1 and seen["report"] is None
+    # Live quality (issue 40): each rate with the rows it is over, per server and per thinking mode.
+    lq = live_seen["live_quality"]
+    assert 0 < lq["overall"]["completions"] < N and lq["overall"]["truncated"]["rows"] == lq["overall"]["completions"]
+    assert set(lq["by_server"]) <= set(ui_fleet.urls) and set(lq["by_thinking"]) == {"on"}
+    assert lq["overall"]["loop"]["rate"] is not None
     fragment = airflow_stack.rest("GET", f"/dflash/runs/{_run_path(run_id)}", params={"fragment": 1})
     assert fragment.status_code == 200 and 'id="run-progress"' in fragment.text and 'data-final="0"' in fragment.text
 
@@ -206,6 +236,10 @@ def test_browser_logs_in_and_sees_the_finished_run(
             assert page.locator("#throughput polyline.server-line").count() == 2
             assert page.locator("#throughput .xtick").first.text_content() == "0"
             assert page.locator("#throughput .xtick").count() >= 3
+            # Issue 40: the live quality figures and the report's quality section.
+            assert page.locator("#live-quality table.live-quality tr").count() >= 4  # head, all, 2 servers
+            assert "of " in page.locator("#live-quality table.live-quality").inner_text()
+            assert page.locator("#quality table.quality-flags").inner_text().count("loop_") == 2
             page.screenshot(path=str(ARTIFACTS / "progress-page.png"), full_page=True)
             if not DOCS_SHOT.exists() or os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
                 page.screenshot(path=str(DOCS_SHOT), full_page=True)
@@ -221,6 +255,16 @@ def test_browser_logs_in_and_sees_the_finished_run(
             page.frame_locator("iframe").locator("#run-progress").wait_for()
             page.get_by_text("DFlash progress").first.wait_for()
             page.screenshot(path=str(ARTIFACTS / "progress-tab.png"))
+
+            # A dflash_tokenize run's page: what it dropped, by reason (it showed an error before issue 40).
+            tok_run = _tokenize_run(airflow_stack, run_id)
+            page.goto(f"{url}/dflash/runs/dflash_tokenize/{quote(tok_run, safe='')}")
+            page.wait_for_selector("#tokenize")
+            assert page.locator("#dflash-main .err").count() == 0
+            page.locator("#tokenize table.tokenize-drops").wait_for()
+            drops = page.locator("#tokenize table.tokenize-drops").inner_text()
+            assert re.search(r"\n[a-z_:]+\t800\ton: 800", drops), drops  # every row dropped, for a named reason
+            page.screenshot(path=str(ARTIFACTS / "tokenize-page.png"), full_page=True)
 
             # The trigger form: the essentials in the section Airflow opens at load (no click), the
             # rest folded into "Advanced: <section>" items (config.run.form_layout).

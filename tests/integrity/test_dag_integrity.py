@@ -51,10 +51,15 @@ def test_tokenize_shape_prepare_mapped_tokenize_report(dagbag) -> None:
 def test_shape_plan_preflight_mapped_generate_validate(dagbag) -> None:
     dag = dagbag.dags["dflash_generate"]
     assert dag.schedule is None or str(dag.timetable.summary) in ("None", "Never, external triggers only")
-    assert set(dag.task_ids) == {"plan", "preflight", "generate", "validate_and_count"}
+    assert set(dag.task_ids) == {"plan", "preflight", "generate", "near_duplicates", "digest_shards", "digest_parts",
+                                 "validate_and_count"}
     assert dag.get_task("preflight").upstream_task_ids == {"plan"}
     assert dag.get_task("generate").upstream_task_ids == {"preflight"}
-    assert dag.get_task("validate_and_count").upstream_task_ids == {"generate"}
+    # issue 40: near-duplicates beside generation (prompts only); missing digests mapped over workers
+    assert dag.get_task("near_duplicates").upstream_task_ids == {"plan"}
+    assert dag.get_task("digest_parts").upstream_task_ids == {"generate", "digest_shards"}
+    assert dag.get_task("digest_parts").trigger_rule == "all_done"
+    assert dag.get_task("validate_and_count").upstream_task_ids == {"digest_parts", "near_duplicates"}
     assert dag.get_task("validate_and_count").trigger_rule == "all_done"
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 

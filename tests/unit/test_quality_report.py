@@ -105,26 +105,89 @@ def test_quality_signals_off(s3_client: Any, bucket: str) -> None:
     assert "Not computed" in get(s3_client, bucket, "ds/quality-off/report.md").decode()
 
 
-def test_worker_processes_give_the_same_report(s3_client: Any, bucket: str) -> None:
-    """quality_workers > 1: each part's signals in a spawned process, merged in part order."""
+TIMING = ("elapsed_s", "validated_at", "digests")
+
+
+def _comparable(report: dict[str, Any]) -> dict[str, Any]:
+    """A report without what differs between two validations of the same data: timings and how the digests
+    were had."""
+    out = {k: v for k, v in report.items() if k not in TIMING}
+    q = dict(out["quality"])
+    q.pop("seconds")
+    q["near_duplicates"] = {k: v for k, v in q["near_duplicates"].items() if k not in ("seconds", "computed")}
+    out["quality"] = q
+    return out
+
+
+def test_merged_digests_equal_the_batch_pass_after_a_worker_killed_between_part_and_digest(
+        s3_client: Any, bucket: str) -> None:
+    """Issue 40: the generate worker's hook writes part 0's digest; it is killed before part 1's. Validation
+    merges part 0's digest and computes part 1's; the report and signals.parquet equal those of the batch
+    pass (every digest and the near-duplicates computed at validation), and a third validation, now merging
+    two stored digests, gives them again."""
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.steps.quality.live import limits_from
+    from dflash_pipeline.steps.validate.partwatch import PartWatcher
+    from dflash_pipeline.steps.validate.run import digest_context, read_manifest
+
     settings = QualitySettings(languages=("en",))
-    serial = validate(s3_client, bucket, "ds/quality-serial", QualitySettings(languages=("en",), workers=1))["quality"]
-    pooled = validate(s3_client, bucket, "ds/quality-pool", QualitySettings(languages=("en",), workers=2))["quality"]
-    assert pooled["workers"] == 2 and serial["workers"] == 1 and settings.workers == 1
-    for q in (serial, pooled):
-        for k in ("seconds", "cpu_seconds", "workers"):
-            q.pop(k)
-        q["near_duplicates"].pop("seconds")
-        q["near_duplicates"].pop("key")
-        q["settings"].pop("quality_workers")
-    keys = [q.pop("signals_key") for q in (serial, pooled)]
-    assert pooled == serial
-    # The signals kept as columns: the same table either way, one row per completion, its flags the report's.
-    tables = [pq.read_table(io.BytesIO(get(s3_client, bucket, k))) for k in keys]
-    assert json.loads(tables[0].schema.metadata[b"dflash.quality_settings"])["languages"] == ["en"]
-    assert tables[0].replace_schema_metadata(None).equals(tables[1].replace_schema_metadata(None))
-    rows = tables[0].to_pylist()
-    assert len(rows) == serial["rows"] and len({(r["id"], r["sample"]) for r in rows}) == len(rows)
-    for flag, counted in serial["flags"].items():
-        assert sum(flag in r["flags"] for r in rows) == counted["rows"], flag
-    assert any(r["duplicate_of"] for r in rows) == (serial["flags"]["near_duplicate"]["rows"] > 0)
+    rows = dataset_rows()
+    planned = [[r["id"] for r in rows[:6]], [r["id"] for r in rows[6:]]]
+    uri = write_dataset(s3_client, bucket, "ds/merge", planned, {0: rows[:6], 1: rows[6:]})
+    layout = DatasetLayout.from_uri(uri)
+    store = Store(s3_client, bucket)
+    ctx = digest_context(read_manifest(store, layout), settings, None, None)
+    watcher = PartWatcher(store, layout, ctx, run_id="r1", worker="w0000", limits=limits_from(0.1, 0.005, None),
+                          fail_fast=False)
+    watcher.committed(0, get(s3_client, bucket, layout.part_key(0)))  # part 1: killed before its digest
+    watcher.close(60)
+    assert watcher.digests_written == 1
+    live = json.loads(get(s3_client, bucket, layout.live_quality_key("r1", "w0000")))
+    assert sum(g["completions"] for g in live["groups"]) == 6
+
+    merged = run_validation(s3_client, uri, thresholds=LAX, plots=False, quality=settings)
+    assert merged["digests"] == {"stored": 1, "computed": 1, "absent_parts": 0, "computed_because": {"no digest": 1}}
+    assert merged["quality"]["near_duplicates"]["computed"] == "at validation"
+    signals_merged = get(s3_client, bucket, layout.quality_signals_key)
+
+    for obj in s3_client.list_objects_v2(Bucket=bucket, Prefix="ds/merge/digests/").get("Contents", []):
+        s3_client.delete_object(Bucket=bucket, Key=obj["Key"])
+    for key in (layout.near_duplicates_key, layout.near_duplicates_meta_key, layout.quality_signals_key):
+        s3_client.delete_object(Bucket=bucket, Key=key)
+    batch = run_validation(s3_client, uri, thresholds=LAX, plots=False, quality=settings)
+    assert batch["digests"]["computed"] == 2 and batch["digests"]["stored"] == 0
+    assert _comparable(batch) == _comparable(merged)
+    assert get(s3_client, bucket, layout.quality_signals_key) == signals_merged
+
+    again = run_validation(s3_client, uri, thresholds=LAX, plots=False, quality=settings)
+    assert again["digests"]["stored"] == 2 and again["quality"]["near_duplicates"]["computed"] == "beside generation"
+    assert _comparable(again) == _comparable(merged)
+    assert get(s3_client, bucket, layout.quality_signals_key) == signals_merged
+    # The signals kept as columns: one row per completion, its flags the report's.
+    table = pq.read_table(io.BytesIO(signals_merged))
+    assert json.loads(table.schema.metadata[b"dflash.quality_settings"])["languages"] == ["en"]
+    got = table.to_pylist()
+    q = merged["quality"]
+    assert len(got) == q["rows"] and len({(r["id"], r["sample"]) for r in got}) == len(got)
+    for flag, counted in q["flags"].items():
+        assert sum(flag in r["flags"] for r in got) == counted["rows"], flag
+    assert [r["id"] for r in got if r["duplicate_of"]] == ["j-copy", "k-copy-refusal"]
+
+
+def test_a_digest_of_another_part_is_not_used(s3_client: Any, bucket: str) -> None:
+    """A part repaired after its digest was written (other bytes): the stale digest is recomputed."""
+    rows = dataset_rows()
+    planned = [[r["id"] for r in rows[:6]], [r["id"] for r in rows[6:]]]
+    uri = write_dataset(s3_client, bucket, "ds/stale", planned, {0: rows[:6], 1: rows[6:]})
+    first = run_validation(s3_client, uri, thresholds=LAX, plots=False)
+    assert first["digests"]["computed"] == 2
+    from dflash_pipeline.dataset.records import encode_part
+
+    repaired = [dict(r, content="A repaired answer that is long enough to be in English, surely.")
+                if r["id"] == "f-refusal" else r for r in rows[:6]]
+    s3_client.put_object(Bucket=bucket, Key="ds/stale/completions/part-000000.parquet", Body=encode_part(repaired))
+    second = run_validation(s3_client, uri, thresholds=LAX, plots=False)
+    assert second["digests"] == {"stored": 1, "computed": 1, "absent_parts": 0,
+                                 "computed_because": {"digest of another part or settings": 1}}
+    assert second["quality"]["flags"]["refusal"]["rows"] == first["quality"]["flags"]["refusal"]["rows"] - 1

@@ -193,3 +193,30 @@ def test_params_are_in_the_generate_form_with_bounds_and_descriptions() -> None:
         QualitySettings.from_params({"loop_ngram": 1})
     with pytest.raises(ConfigError, match="near_duplicate_threshold"):
         QualitySettings.from_params({"near_duplicate_threshold": 0.2})
+
+
+def test_part_wise_signals_equal_the_row_wise_ones() -> None:
+    """Issue 40: loop_flags (one vectorised pass over a part's texts) gives exactly is_loop's values, and
+    part_row_signals row_signals', on every test text and on thinking-length rows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from quality_bench import make_rows
+
+    from dflash_pipeline.steps.quality import signals as sg
+
+    s = QualitySettings()
+    texts = [v for k, v in vars(qt).items() if isinstance(v, str) and not k.startswith("_")]
+    texts += [x for v in vars(qt).values() if isinstance(v, (list, tuple)) for x in v if isinstance(x, str)]
+    rows = make_rows(60, 3)
+    texts += [r["reasoning"] for r in rows] + [r["content"] for r in rows]
+    texts += ["", "a", "  leading  and trailing  ", "3" * 5000, "word " * 300, "x" * 13 + " y" * 200]
+    import pyarrow as pa
+
+    assert sg.loop_flags(texts, s).tolist() == [sg.is_loop(t, s) for t in texts]
+    assert sg.loop_flags(pa.array(texts + [None]), s).tolist() == [sg.is_loop(t, s) for t in texts] + [False]
+    assert sum(sg.is_loop(t, s) for t in texts) >= 10
+    assert sg.part_row_signals(rows, s) == [sg.row_signals(r, s) for r in rows]
+    columns = {"reasoning": pa.array([r["reasoning"] for r in rows]), "content": pa.array([r["content"] for r in rows])}
+    assert sg.part_row_signals(rows, s, columns) == [sg.row_signals(r, s) for r in rows]

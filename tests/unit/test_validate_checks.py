@@ -49,8 +49,11 @@ def write_dataset(
         "chunks": {"sizes": [len(c) for c in planned]}, "input": {"prompts": sum(map(len, planned))},
     }
     client.put_object(Bucket=bucket, Key=layout.manifest_key, Body=json.dumps(manifest).encode())
+    # The plan holds the prompts the parts' rows answer (near-duplicates are found from the plan's prompts).
+    asked = {r["id"]: r["messages"] for rows in parts.values() for r in rows if r.get("messages")}
     for c, ids in enumerate(planned):
-        body = encode_inputs([{"id": i, "messages": [{"role": "user", "content": f"question {i}"}]} for i in ids])
+        body = encode_inputs([{"id": i, "messages": asked.get(i) or [{"role": "user", "content": f"question {i}"}]}
+                              for i in ids])
         client.put_object(Bucket=bucket, Key=layout.input_key(plan_id, c), Body=body)
     for c, rows in parts.items():
         client.put_object(Bucket=bucket, Key=layout.part_key(c), Body=encode_part(rows))

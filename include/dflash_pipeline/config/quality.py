@@ -35,10 +35,10 @@ QUALITY_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "quality_signals": {
         "type": "boolean",
         "default": True,
-        "description": "Compute the quality signals at validation (repetition loops, thinking cut at max_tokens, "
-        "empty answers, refusals, language, near-duplicate prompts) and count them in the report. They never "
-        "fail validation: they are facts about the data; tokenize's drop_quality decides what is dropped. "
-        "False skips them (validation's cost per row is in docs/quality.md).",
+        "description": "Compute the quality signals (repetition loops, thinking cut at max_tokens, empty answers, "
+        "refusals, language, near-duplicate prompts) as parts are committed, show them live on the progress page "
+        "and count them in the report. They fail nothing unless max_loop_rate is set; tokenize's drop_quality "
+        "decides what is dropped. False skips them (their cost per part is in docs/quality.md).",
         "section": SECTION_QUALITY,
     },
     "quality_workers": {
@@ -46,9 +46,9 @@ QUALITY_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 1,
         "minimum": 0,
         "maximum": 64,
-        "description": "Processes that compute the row signals at validation (each part's rows in one process, "
-        "merged in order: the report is the same). 1 = in the validation process. 0 = one per core, up to 8, "
-        "when the dataset has at least 20,000 rows. A speed-up is not measured yet (docs/quality.md).",
+        "description": "No longer used (kept so that older confs still trigger): each part's signals are computed "
+        "as it is committed, by the generate task, and validation merges them; the work validation still has is "
+        "spread over validation_workers mapped tasks (docs/quality.md).",
         "section": SECTION_QUALITY,
     },
     "loop_ngram": {

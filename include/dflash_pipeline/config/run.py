@@ -390,6 +390,34 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "split, an engine that names the field differently): the failure names the servers they came from.",
         "section": SECTION_VALIDATION,
     },
+    "max_loop_rate": {
+        "type": ["null", "number"],
+        "default": None,
+        "minimum": 0,
+        "maximum": 1,
+        "description": "validate_and_count fails when more than this share of the completions hold a repetition "
+        "loop (quality signals loop_reasoning / loop_answer), and with fail_fast a run is stopped early when its "
+        "live loop rate is surely above it. Null = no limit (loops are counted and dropped at tokenize).",
+        "section": SECTION_VALIDATION,
+    },
+    "fail_fast": {
+        "type": "boolean",
+        "default": True,
+        "description": "While generating, check the run's live figures (truncation, missing reasoning, and loops "
+        "with max_loop_rate) against these limits with a confidence bound, and stop the run with a message naming "
+        "the figure and the servers once one is surely above its limit (docs/quality.md, 'Fail fast'). False: "
+        "generate everything and let validation judge.",
+        "section": SECTION_VALIDATION,
+    },
+    "validation_workers": {
+        "type": "integer",
+        "default": 1,
+        "minimum": 1,
+        "maximum": 64,
+        "description": "Mapped tasks (each on its own Airflow worker) that compute the part digests validation "
+        "still lacks (parts from an older version, a crash between a part and its digest) before the merge.",
+        "section": SECTION_VALIDATION,
+    },
     "tokenizer": {
         "type": ["null", "string"],
         "default": None,
@@ -510,6 +538,9 @@ class RunConfig:
     max_error_rate: float = 0.01
     max_truncation_rate: float = 0.10
     max_missing_reasoning_rate: float = 0.005
+    max_loop_rate: float | None = None
+    fail_fast: bool = True
+    validation_workers: int = 1
     tokenizer: str | None = None
     heldout_fraction: float = 0.0
     heldout_salt: str = "dflash-heldout"
@@ -615,6 +646,9 @@ class RunConfig:
             max_error_rate=float(get("max_error_rate")),
             max_truncation_rate=float(get("max_truncation_rate")),
             max_missing_reasoning_rate=float(get("max_missing_reasoning_rate")),
+            max_loop_rate=None if get("max_loop_rate") is None else float(get("max_loop_rate")),
+            fail_fast=bool(get("fail_fast")),
+            validation_workers=int(get("validation_workers")),
             tokenizer=get("tokenizer") or None,
             heldout_fraction=float(get("heldout_fraction")),
             heldout_salt=str(get("heldout_salt")),

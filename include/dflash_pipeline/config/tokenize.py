@@ -8,7 +8,13 @@ from typing import Any
 from dflash_pipeline.config.mix import check_target_mix, target_mix_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS
 from dflash_pipeline.config.run import SECTION_DATA, SECTION_RUN, ConfigError, _check_schema
-from dflash_pipeline.dataset.layout import TOKENIZATION_NAME_RE, TOKENIZED_RESERVED, UriError, parse_s3_uri
+from dflash_pipeline.dataset.layout import (
+    DEFAULT_TOKENIZATION,
+    TOKENIZATION_NAME_RE,
+    TOKENIZED_RESERVED,
+    UriError,
+    parse_s3_uri,
+)
 
 
 SECTION_TOKENIZE = "Tokenize"
@@ -40,6 +46,19 @@ TOKENIZE_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "with the same settings resumes; with other settings it is refused (the message names a free name). "
         "Null = the tokenization already made with these settings, else 'default' when free, else a new name "
         "derived from the settings (s-<hash>).",
+        "section": SECTION_TOKENIZE,
+    },
+    "answers": {
+        "type": "string",
+        "enum": ["regenerated", "original"],
+        "default": "regenerated",
+        "description": "Which answers become training rows: 'regenerated' (the target model's own, token-exact) or "
+        "'original': the input's answers (each row's original_messages) as a user who did not regenerate would train "
+        "on them: at the regenerated turns' places, rendered with the chat template in the row's thinking mode "
+        "(thinking on: an answer without reasoning gets the template's empty think block, trained; thinking off: "
+        "its reasoning is left out), loss on the answer's tokens, encoded from its text (no engine ids: not "
+        "token-exact). Quality flags describe the regenerated answers, so only near_duplicate applies. Needs its "
+        "own tokenization name (never 'default'; null = 'original'). docs/tokenize.md.",
         "section": SECTION_TOKENIZE,
     },
     "train_turns": {
@@ -176,6 +195,14 @@ TRAINER_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 TOKENIZE_PARAM_SCHEMAS.update(TRAINER_PARAM_SCHEMAS)
 TOKENIZE_PARAM_SCHEMAS["target_mix"] = target_mix_schema(SECTION_TOKENIZE)  # the mix report's target (report only)
 
+ANSWERS = ("regenerated", "original")
+ANSWERS_ORIGINAL = "original"
+ORIGINAL_TOKENIZATION = "original"
+"""The name a tokenization of the original answers takes when none is given (and free)."""
+PROMPT_QUALITY_FLAGS = ("near_duplicate",)
+"""The quality flags that describe the prompt, not the answer: the only ones that apply to original answers (the
+others are signals of the regenerated answer: its loops, its thinking cut at max_tokens, its refusal...)."""
+
 # The trigger form's essentials (config.run.form_layout puts them first; the rest is "Advanced: ...").
 TOKENIZE_ESSENTIAL_PARAMS: tuple[str, ...] = ("output_uri", "tokenizer", "max_length", "formats", "tokenization")
 # -- quality filtering and gates (issue 32; steps/tokenize/gates.py, steps/tokenize/qualityfilter.py) --------
@@ -229,6 +256,8 @@ class TokenizeConfig:
     """The ROW_QUALITY_PARAMS given (name, value); missing ones take their defaults."""
     target_mix: dict[str, dict[str, float]] | None = None
     tokenization: str | None = None
+    answers: str = "regenerated"
+    """'regenerated' (the target model's answers) or 'original' (the input's: original_messages)."""
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "TokenizeConfig":
@@ -258,6 +287,7 @@ class TokenizeConfig:
         if values["tokenization"] in TOKENIZED_RESERVED:
             raise ConfigError(f"tokenization {values['tokenization']!r} is the name of a folder of the default "
                               f"tokenization; not one of {sorted(TOKENIZED_RESERVED)}")
+        _check_original_answers(params, values)
         formats = values.pop("formats")
         values["profiles"] = tuple(p for p in TOKENIZE_PROFILES if p in formats)
         values["drop_quality"] = tuple(f for f in QUALITY_FLAG_NAMES if f in values["drop_quality"])
@@ -273,3 +303,22 @@ class TokenizeConfig:
         given = dict(self.quality)
         return {n: (list(v) if isinstance(v, tuple) else v) for n, v in
                 ((n, given.get(n, QUALITY_PARAM_SCHEMAS[n]["default"])) for n in ROW_QUALITY_PARAMS)}
+
+
+def _check_original_answers(given: dict[str, Any], values: dict[str, Any]) -> None:
+    """answers 'original': another tokenization than 'default' (the regenerated one the asset-triggered run
+    writes), and no quality flag of the regenerated answers asked for (they say nothing of the original ones);
+    drop_quality not given = the prompt's flags only."""
+    if values["answers"] != ANSWERS_ORIGINAL:
+        return
+    if values["tokenization"] == DEFAULT_TOKENIZATION:
+        raise ConfigError(f"answers 'original' cannot be the {DEFAULT_TOKENIZATION!r} tokenization (it holds the "
+                          f"regenerated answers): give another name, e.g. tokenization={ORIGINAL_TOKENIZATION!r}")
+    if "drop_quality" not in given:
+        values["drop_quality"] = [f for f in values["drop_quality"] if f in PROMPT_QUALITY_FLAGS]
+        return
+    answer_flags = [f for f in values["drop_quality"] if f not in PROMPT_QUALITY_FLAGS]
+    if answer_flags:
+        raise ConfigError(f"drop_quality {answer_flags} with answers 'original': those flags are signals of the "
+                          f"regenerated answers, not of the original ones; only {list(PROMPT_QUALITY_FLAGS)} (the "
+                          "prompt's) applies. Leave drop_quality out or give a subset of that")

@@ -147,6 +147,25 @@ class DatasetLayout:
         return self._k("quality/near_duplicates.parquet")
 
     @property
+    def near_duplicates_meta_key(self) -> str:
+        """What near_duplicates.parquet was computed from (plan_id, settings), next to it."""
+        return self._k("quality/near_duplicates.json")
+
+    @property
+    def digests_prefix(self) -> str:
+        return self._k("digests/")
+
+    def digest_key(self, chunk: int) -> str:
+        """Part N's digest: its validation counts, token figures and quality signals (no text), written
+        after the part by whoever computed it (the generate worker that committed it, or validation);
+        a pure function of the part, its plan and the settings, so a rewrite writes the same bytes."""
+        return f"{self.digests_prefix}part-{chunk:0{CHUNK_DIGITS}d}.parquet"
+
+    def live_quality_key(self, run_id: str, worker: str) -> str:
+        """A generate task's live quality figures over the parts it committed in this run."""
+        return self.run_key(run_id, f"quality/{worker}.json")
+
+    @property
     def heldout_prefix(self) -> str:
         return self._k("heldout/")
 

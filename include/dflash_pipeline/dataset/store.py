@@ -385,3 +385,18 @@ def with_retries(
                 step = min(STOP_POLL_S, left)
                 sleep(step)
                 left -= step
+
+
+SMALL_UPLOAD = 32 << 20
+"""Files up to this size go in one PUT (with our retries); larger ones as a streamed multipart upload."""
+
+
+def upload_file(store: Store, key: str, fh: Any, content_type: str) -> None:
+    """Write an open binary file to `key`: small in one PUT (retried), large as a multipart upload."""
+    size = fh.seek(0, 2)
+    fh.seek(0)
+    if size <= SMALL_UPLOAD:
+        data = fh.read()
+        with_retries(lambda: store.put(key, data, content_type=content_type), what=f"write {key}")
+    else:
+        store.client.upload_fileobj(fh, store.bucket, key, ExtraArgs={"ContentType": content_type})

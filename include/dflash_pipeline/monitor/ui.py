@@ -434,6 +434,87 @@ def report_section(report: Mapping[str, Any] | None, plot_urls: Sequence[tuple[s
     return "".join(parts)
 
 
+LIVE_RATES = (("loop", "loops"), ("truncated_thinking", "thinking cut at max_tokens"), ("truncated", "truncated"),
+              ("empty_answer", "empty answer"), ("refusal", "refusals"), ("language_off", "off-language"),
+              ("reasoning_missing", "reasoning missing"))
+
+
+def _rate_cell(r: Mapping[str, Any] | None) -> str:
+    """A rate with the rows it is over (a rate over few rows says little)."""
+    if not r or r.get("rate") is None:
+        return '<span class="muted">-</span>'
+    return f'{_pct(r["rate"])} <span class="muted">of {_n(r["rows"])}</span>'
+
+
+def _acceptance_cell(a: Mapping[str, Any] | None) -> str:
+    if not a or a.get("value") is None:
+        return '<span class="muted">not speculating</span>'
+    return f'{a["value"]:.2f} <span class="muted">over {_n(a["rows"])} rows</span>'
+
+
+def live_quality_section(live: Mapping[str, Any] | None) -> str:
+    """The run's live quality (issue 40): each rate over this run's committed parts, overall, per server and
+    per thinking mode, with the rows it is over; acceptance length where servers speculate."""
+    if not live:
+        return ""
+    heads = ["", *(label for _, label in LIVE_RATES), "acceptance length"]
+    rows = [["<b>all</b>", *(_rate_cell(live["overall"].get(k)) for k, _ in LIVE_RATES),
+             _acceptance_cell(live["overall"].get("acceptance_length"))]]
+    for title, key in (("server", "by_server"), ("thinking", "by_thinking")):
+        for name, rates in (live.get(key) or {}).items():
+            rows.append([f'<span class="muted">{title}</span> <span class="mono">{_e(name)}</span>',
+                         *(_rate_cell(rates.get(k)) for k, _ in LIVE_RATES),
+                         _acceptance_cell(rates.get("acceptance_length"))])
+    return ('<section id="live-quality"><h2>Live quality</h2><p class="muted">Over the '
+            f'{_n(live["overall"].get("completions"))} completions of the {_n(live.get("parts"))} parts this run '
+            "committed so far (docs/quality.md: fail_fast stops the run when a limit is surely broken).</p>"
+            + _table(heads, rows, cls="live-quality") + "</section>")
+
+
+def quality_section(q: Mapping[str, Any] | None) -> str:
+    """The validation report's quality section: each flag's rows and share, by thinking mode."""
+    if not q or q.get("disabled") or not q.get("flags"):
+        return ""
+    rows = []
+    for name, f in q["flags"].items():
+        by = ", ".join(f'{_e(k)}: {_n(v["rows"])} ({_pct(v["share"])})' for k, v in f["by_thinking"].items()) or "-"
+        rows.append([_e(name), _n(f["rows"]), _pct(f["share"]), by])
+    return (f'<section id="quality"><h2>Quality signals</h2><p class="muted">{_n(q["rows"])} completions checked; '
+            f'{_n(q["rows_flagged"])} ({_pct(q["rows_flagged_share"])}) carry a flag. Tokenize\'s drop_quality '
+            "decides what is dropped.</p>" + _table(["flag", "rows", "share", "by thinking"], rows, cls="quality-flags",
+                                                     numeric=(1, 2)) + "</section>")
+
+
+def tokenize_section(entries: Sequence[Mapping[str, Any]]) -> str:
+    """A dflash_tokenize run: per dataset, the rows kept and dropped, by reason and thinking mode."""
+    if not entries:
+        return '<section id="tokenize"><h2>Tokenize</h2><p class="muted">No dataset planned yet.</p></section>'
+    out = ['<section id="tokenize"><h2>Tokenize</h2>']
+    for e in entries:
+        name = f'{e.get("output_uri")}' + (f' ({e["tokenization"]})' if e.get("tokenization") else "")
+        out.append(f'<h3 class="mono">{_e(name)}</h3>')
+        r = e.get("report")
+        if e.get("error"):
+            out.append(f'<p class="err">{_e(e["error"])}</p>')
+            continue
+        if r is None:
+            out.append('<p class="muted">No tokenized report yet: the report task writes it when every shard is done.'
+                       "</p>")
+            continue
+        gate = r.get("gate") or {}
+        out.append(f'<p>{_badge(r.get("status"))} kept {_n(r.get("rows_out"))} of {_n(r.get("rows_in"))} rows'
+                   + (f' (kept share {_pct(gate["kept_share"])}, min_kept_share {gate.get("min_kept_share", "")})'
+                      if gate.get("kept_share") is not None else "") + "</p>")
+        dropped = r.get("dropped_by_reason") or {}
+        by_thinking = r.get("dropped_by_thinking") or {}
+        rows = [[_e(reason), _n(n), ", ".join(f"{_e(k)}: {_n(v)}" for k, v in (by_thinking.get(reason) or {}).items())
+                 or "-"] for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1])]
+        out.append(_table(["dropped for", "rows", "by thinking"], rows, cls="tokenize-drops", numeric=(1,)) if rows
+                   else '<p class="muted">Nothing dropped.</p>')
+    out.append("</section>")
+    return "".join(out)
+
+
 MIX_INLINE_LABELS = 6
 
 
@@ -491,13 +572,18 @@ def run_main(view: Mapping[str, Any]) -> str:
     parts.append(tasks_line(view.get("tasks") or []))
     for msg in view.get("warnings") or []:
         parts.append(f'<p class="err">{_e(msg)}</p>')
+    if view.get("tokenize") is not None:
+        parts.append(tokenize_section(view["tokenize"]) + "</div>")
+        return "".join(parts)
     if view.get("progress") is not None:
         parts.append(progress_section(view["progress"], run_state))
+        parts.append(live_quality_section(view.get("live_quality")))
         parts.append(abilities_section(view.get("abilities") or []))
     else:
         parts.append('<p class="muted">No plan yet: the manifest appears when the plan task has run.</p>')
     parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url"),
                                 view.get("report_url")))
+    parts.append(quality_section((view.get("report") or {}).get("quality")))
     parts.append("</div>")
     return "".join(parts)
 

@@ -35,6 +35,7 @@ from dflash_pipeline.dataset.layout import DatasetLayout, UriError, chunk_of_key
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.monitor import ui
 from dflash_pipeline.monitor.fleet import aggregate
+from dflash_pipeline.monitor.livequality import live_view, merge_groups
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def collect(store: Store, layout: DatasetLayout, run_id: str, *, run_started_at:
                 committed[c] = obj.last_modified.timestamp()
         out["progress"] = aggregate(manifest, committed, docs, now=now, run_started_at=run_started_at,
                                     task_states=task_states)
+    out["live_quality"] = live_quality(store, layout, run_id)
     report = _json(store, layout.report_key)
     if report is not None:
         out["report"] = report
@@ -120,6 +122,59 @@ def collect(store: Store, layout: DatasetLayout, run_id: str, *, run_started_at:
         if not names:
             names = [o.key.rsplit("/", 1)[-1] for o in store.list(f"{layout.root}/report-")]
         out["plots"] = sorted(n for n in names if _PLOT_RE.match(n))
+    return out
+
+
+def live_quality(store: Store, layout: DatasetLayout, run_id: str) -> dict[str, Any] | None:
+    """The generate tasks' live quality figures of this run (steps/quality/live.py), merged; None before any."""
+    docs = []
+    for obj in store.list(layout.run_key(run_id, "quality/")):
+        try:
+            doc = _json(store, obj.key)
+        except ValueError:
+            continue
+        if doc is not None:
+            docs.append(doc)
+    if not docs:
+        return None
+    return live_view(merge_groups(docs)) | {"parts": sum(int(d.get("parts") or 0) for d in docs)}
+
+
+def tokenize_datasets(session: Any, dag_id: str, run_id: str, conf: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What a dflash_tokenize run tokenized: its prepare task's plan (XCom), else the output_uri param."""
+    from airflow.models.xcom import XComModel
+
+    value = session.scalar(select(XComModel.value).where(
+        XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == "prepare",
+        XComModel.key == "return_value"))
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    found: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for assignment in value if isinstance(value, list) else []:
+        for d in (assignment or {}).get("datasets") or []:
+            found.setdefault((d.get("output_uri"), d.get("tokenization")), d)
+    if not found and conf.get("output_uri"):
+        found[(conf["output_uri"], conf.get("tokenization"))] = {"output_uri": conf["output_uri"],
+                                                                 "tokenization": conf.get("tokenization")}
+    return list(found.values())
+
+
+def tokenize_reports(store_for: Any, datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each tokenized dataset's report (its drops by reason), or why it is not there."""
+    out = []
+    for d in datasets:
+        entry: dict[str, Any] = {"output_uri": d.get("output_uri"), "tokenization": d.get("tokenization"),
+                                 "report": None, "error": None}
+        try:
+            layout = DatasetLayout.from_uri(str(d["output_uri"])).tokenized_as(d.get("tokenization"))
+            entry["report"] = _json(store_for(layout.bucket), layout.tokenized_report_key)
+            entry["report_key"] = layout.tokenized_report_key
+        except Exception as exc:  # noqa: BLE001 - the page shows what it could not read
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(entry)
     return out
 
 
@@ -186,6 +241,11 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
         "links": [("Airflow run", f"/dags/{ui.quote_id(dag_id)}/runs/{ui.quote_id(run_id)}"),
                   ("all runs", f"{base}/"), ("JSON", f"{base}/api/runs/{ui.quote_id(dag_id)}/{ui.quote_id(run_id)}")],
     }
+    if dag_id == "dflash_tokenize" or {t["task_id"] for t in tasks} >= {"prepare", "tokenize", "report"}:
+        view["tokenize"] = tokenize_reports(lambda bucket: Store(_s3_client(str(view["aws_conn_id"])), bucket),
+                                            tokenize_datasets(session, dag_id, run_id, conf))
+        view["report_missing_final"] = True
+        return view
     if not view["output_uri"]:
         view["warnings"].append("This run's conf has no output_uri: not a dflash_generate run.")
         view["report_missing_final"] = True
@@ -212,6 +272,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
                                 f"{type(exc).__name__}: {exc}")
         return view
     view["progress"] = data["progress"]
+    view["live_quality"] = data.get("live_quality")
     view["abilities"] = data["abilities"]
     view["report"] = data["report"]
     view["warnings"] += data["warnings"]

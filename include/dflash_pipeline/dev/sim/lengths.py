@@ -150,11 +150,23 @@ def plan_lengths(
     )
 
 
+LOOP_START = 60
+"""Words of ordinary thinking before a looping model starts repeating itself."""
+LOOP_UNIT = 24
+"""Words of the unit a looping model repeats until max_tokens."""
+
+
 def words(text_seed: int, stream: str, count: int) -> str:
-    """``count`` deterministic words of one stream ("thinking" or "answer"); prefix-stable."""
+    """``count`` deterministic words of one stream ("thinking" or "answer"; "thinking-loop": a thinking that
+    starts normally and then repeats one LOOP_UNIT-word sentence, as a looping model does); prefix-stable."""
     if count <= 0:
         return ""
     rng = random.Random(f"{text_seed}:{stream}")
+    if stream == "thinking-loop":
+        start = rng.choices(VOCAB, k=LOOP_START)
+        unit = rng.choices(VOCAB, k=LOOP_UNIT)
+        out = start + unit * (1 + max(0, count - LOOP_START) // LOOP_UNIT)
+        return " ".join(out[:count])
     return " ".join(rng.choices(VOCAB, k=count))
 
 
@@ -172,7 +184,7 @@ class Completion:
 
 
 def render_completion(
-    plan: LengthPlan, *, max_tokens: int | None, separate_reasoning: bool
+    plan: LengthPlan, *, max_tokens: int | None, separate_reasoning: bool, loop: bool = False
 ) -> Completion:
     """Apply the ``max_tokens`` budget to ``plan`` and produce the message texts.
 
@@ -184,6 +196,9 @@ def render_completion(
     """
     budget = math.inf if max_tokens is None else max(0, int(max_tokens))
     thinking_n, answer_n = plan.thinking_tokens, plan.answer_tokens
+    thinking = "thinking"
+    if loop and thinking_n:  # a looping model: its thinking never ends, max_tokens cuts it
+        thinking, thinking_n = "thinking-loop", max(thinking_n, int(min(budget, 1 << 30)) + 1)
 
     if thinking_n == 0:
         used = int(min(answer_n, budget))
@@ -192,7 +207,7 @@ def render_completion(
     if separate_reasoning:
         t_used = int(min(thinking_n, budget))
         a_used = int(min(answer_n, max(0.0, budget - t_used)))
-        reasoning = words(plan.text_seed, "thinking", t_used) if t_used else None
+        reasoning = words(plan.text_seed, thinking, t_used) if t_used else None
         content = words(plan.text_seed, "answer", a_used)
         done = t_used == thinking_n and a_used == answer_n
         return _finish(content, reasoning, t_used + a_used, t_used, done)
@@ -202,11 +217,11 @@ def render_completion(
     if used == 0:
         content = ""
     elif used <= thinking_n + 1:
-        content = f"{THINK_OPEN}\n" + words(plan.text_seed, "thinking", used - 1)
+        content = f"{THINK_OPEN}\n" + words(plan.text_seed, thinking, used - 1)
     else:
         content = (
             f"{THINK_OPEN}\n"
-            + words(plan.text_seed, "thinking", thinking_n)
+            + words(plan.text_seed, thinking, thinking_n)
             + f"\n{THINK_CLOSE}\n\n"
             + words(plan.text_seed, "answer", used - thinking_n - 2)
         )

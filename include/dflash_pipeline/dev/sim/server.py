@@ -178,6 +178,9 @@ class SimConfig:
     spec_algorithm: str | None = None
     """None: the server does not speculate. Else SGLang's --speculative-algorithm (e.g. "EAGLE3",
     "DFLASH") or vLLM's method ("ngram", "draft_model")."""
+    loop_rate: float = 0.0
+    """Share of requests whose thinking loops (one sentence repeated until max_tokens), as a model behind a wrong
+    template or sampled greedily does (issue 40's planted fault)."""
     spec_num_draft_tokens: int = 3
     """Draft tokens per verify step (SGLang reports speculative_num_draft_tokens = this + 1)."""
     spec_accept_p: float = 0.7
@@ -211,7 +214,7 @@ def validate_config(config: SimConfig) -> None:
                  "startup_delay_s", "hang_s"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} must be >= 0")
-    rates = ("error_rate", "unavailable_rate", "hang_rate", "reset_rate", "abort_rate")
+    rates = ("error_rate", "unavailable_rate", "hang_rate", "reset_rate", "abort_rate", "loop_rate")
     for name in rates:
         if not 0.0 <= getattr(config, name) <= 1.0:
             raise ValueError(f"{name} must be within [0, 1]")
@@ -865,8 +868,8 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
                                     enable_thinking=enable_thinking)
         cap = max_tokens if max_tokens is not None else config.context_length - prompt_tokens
         parser_on = config.reasoning_parser is not None and (separate_reasoning or config.engine == "vllm")
-        completion = lengths.render_completion(plan, max_tokens=cap,
-                                               separate_reasoning=parser_on)
+        loop = config.loop_rate > 0 and random.Random(f"{plan.text_seed}:loop").random() < config.loop_rate
+        completion = lengths.render_completion(plan, max_tokens=cap, separate_reasoning=parser_on, loop=loop)
         generated = None
         if token_model is not None:
             full = lengths.render_completion(plan, max_tokens=None, separate_reasoning=True)

@@ -607,7 +607,13 @@ class AirflowStack:
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
-            run = self.get_run(dag_id, run_id)
+            try:
+                run = self.get_run(dag_id, run_id)
+            except requests.exceptions.ReadTimeout:  # a starved API server on a loaded 2-core runner: poll again
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("GET dagRun %s/%s timed out; polling again", dag_id, run_id)
+                continue
             if on_poll is not None:
                 on_poll(run)
             state = str(run.get("state"))

@@ -7,6 +7,11 @@ chunk in the Ledger, marked failed, and ends the thread with `error` set: main's
 saves the chunk's rows as a partial, so a failed commit never throws finished rows away. When the
 worker stops, the committer takes no chunk after `until` and bounds a commit in flight by it; main
 then owns every lease left (`Leases.give_up_owner`) and saves what was not committed.
+
+Hook: `on_committed(chunk, data)` is called with the part's bytes right after our part is in S3 (before
+its marker and claim release), on this thread. It must return at once and never raise (the quality
+digests' PartWatcher queues the bytes for its own thread); an exception from it is logged and ignored,
+so the chunk protocol never depends on it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class Committer:
     """The committer thread and its stop deadline (module docstring)."""
 
     def __init__(self, *, store: Store, layout: DatasetLayout, settings: WorkerSettings, leases: Leases,
-                 chunks: ChunkStore, ledger: Ledger, scanner: Scanner, count: Callable[[str, int], None]) -> None:
+                 chunks: ChunkStore, ledger: Ledger, scanner: Scanner, count: Callable[[str, int], None],
+                 on_committed: Callable[[int, bytes], None] | None = None) -> None:
         self.store = store
         self.layout = layout
         self.settings = settings
@@ -48,6 +54,7 @@ class Committer:
         self.ledger = ledger
         self.scanner = scanner
         self._count = count
+        self._on_committed = on_committed
         self._stop = threading.Event()
         #: Stopping: no chunk is taken after this monotonic time, and a commit in flight is bounded by it.
         self.until: float | None = None
@@ -108,7 +115,8 @@ class Committer:
         else:
             rows = [chunk.results[unit_key(p)] for p in chunk.prompts]
         key = self.layout.part_key(chunk.index)
-        outcome = self.chunks.commit(key, encode_part(rows), nonce=lease.nonce, if_match=chunk.part_etag,
+        data = encode_part(rows)
+        outcome = self.chunks.commit(key, data, nonce=lease.nonce, if_match=chunk.part_etag,
                                      deadline_s=self._deadline())
         if outcome is CommitOutcome.REFUSED:
             self._count("commits_refused", 1)
@@ -120,6 +128,7 @@ class Committer:
         else:
             self._count("chunks_committed", 1)
             logger.info("committed chunk %d (%d rows) -> %s", chunk.index, len(rows), key)
+            self._hook(chunk.index, data)
             self._write_marker(chunk, rows)
             if chunk.todo is not None or chunk.checkpointed:
                 with_retries(lambda: self.store.delete(self.layout.partial_key(chunk.index)), what="partial",
@@ -128,6 +137,14 @@ class Committer:
         if self.leases.move(lease, State.COMMITTED, "committer"):
             self.chunks.release(lease, deadline_s=min(60.0, self._deadline()))
         # else: stopping, main released the lease meanwhile (and owns that release)
+
+    def _hook(self, index: int, data: bytes) -> None:
+        if self._on_committed is None:
+            return
+        try:
+            self._on_committed(index, data)
+        except Exception as exc:  # noqa: BLE001 - the hook must never fail a commit (module docstring)
+            logger.warning("on_committed hook failed for chunk %d: %r", index, exc)
 
     def _write_marker(self, chunk: OpenChunk, rows: list[dict[str, Any]]) -> None:
         """Flag a part with error rows so a later run retries them (validation re-creates lost flags).

@@ -109,7 +109,10 @@ class Worker:
         session_factory: Callable[[], Any] = new_chat_client,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         transition_hook: TransitionHook | None = None,
+        on_part_committed: Callable[[int, bytes], None] | None = None,
     ) -> None:
+        """`on_part_committed(chunk, part bytes)`: called by the committer after each part of ours is in S3
+        (committing.py's hook: returns at once, never raises; the quality digests use it)."""
         s = settings
         self.store = store
         self.layout = layout
@@ -144,7 +147,8 @@ class Worker:
                                chunks=self.chunks, ledger=self.ledger, scanner=self.scanner, io=self._io,
                                demand=self._demand, failing_since=self.health.failing_since, count=self._count)
         self.committer = Committer(store=store, layout=layout, settings=s, leases=self.leases, chunks=self.chunks,
-                                   ledger=self.ledger, scanner=self.scanner, count=self._count)
+                                   ledger=self.ledger, scanner=self.scanner, count=self._count,
+                                   on_committed=on_part_committed)
         self.closer = Closer(settings=s, stop=self.stop, claimer=self.claimer, committer=self.committer,
                              ledger=self.ledger, leases=self.leases, keeper=self.keeper, chunks=self.chunks,
                              partials=self.partials, finish_chunk=self._finish_chunk, take_open=self._take_open,

@@ -1,4 +1,6 @@
-"""Near-duplicate prompts across the dataset, by MinHash LSH (datasketch), found at validation.
+"""Near-duplicate prompts across the dataset, by MinHash LSH (datasketch), found from the plan's prompts
+(`find_in_inputs`): beside generation (the DAG's `near_duplicates` task), or at validation when that list is
+missing or was made for another plan or other settings.
 
 Plan drops exact duplicate ids only; the same question reworded, re-cased or with a changed number
 over-weights one prompt in the mix. The prompt of a completion row is the text of its user turns.
@@ -9,13 +11,15 @@ prompt reaches the threshold gets `duplicate_of` = the most similar kept prompt 
 Only kept prompts are indexed, so a chain a~b~c keeps a and c when c is not similar to a.
 Every sample of an id has the same prompt: an id is one prompt.
 
-Owner of `<root>/quality/near_duplicates.parquet`: validation rewrites it whole on every run (same rows
-for the same completions, so a retried validation writes the same file). Tokenize reads it by id.
+Owner of `<root>/quality/near_duplicates.parquet` and `near_duplicates.json` (its plan and settings, written
+last): the near_duplicates task, or validation when the pair does not match; both write the same bytes for
+the same plan and settings. Tokenize reads the parquet by id.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 import time
@@ -239,6 +243,63 @@ def write_near_duplicates(store: Store, layout: DatasetLayout, rows: Sequence[tu
     key = layout.near_duplicates_key
     with_retries(lambda: store.put(key, data, content_type="application/vnd.apache.parquet"), what=f"write {key}")
     return key
+
+
+def near_settings(threshold: float, num_perm: int, plan_id: str) -> dict[str, Any]:
+    """What a near-duplicate list depends on: the plan's prompts and the search's settings."""
+    return {"plan_id": plan_id, "threshold": threshold, "num_perm": num_perm, "version": 2}
+
+
+def find_in_inputs(store: Store, layout: DatasetLayout, plan_id: str, n_chunks: int, threshold: float,
+                   num_perm: int) -> tuple[list[tuple[str, str, float]], dict[str, Any]]:
+    """The near-duplicates among the plan's prompts, read from `inputs/` (the prompts only: it runs beside
+    generation, or at validation when that did not finish). Returns the rows and a summary."""
+    from dflash_pipeline.dataset.records import read_parquet
+
+    started = time.perf_counter()
+    finder = NearDuplicateFinder(threshold, num_perm)
+    for c in range(n_chunks):
+        got = with_retries(lambda: store.get(layout.input_key(plan_id, c)), what=f"read input {c}")
+        if got is None:
+            raise FileNotFoundError(f"input of chunk {c} is missing under {layout.uri}")
+        table = read_parquet(got[0], ["id", "messages"])
+        finder.add(table.column("id").to_pylist(), (prompt_text(m) for m in table.column("messages").to_pylist()))
+        if c and c % 200 == 0:
+            logger.info("near-duplicates: %d of %d chunks read", c, n_chunks)
+    rows = finder.finish()
+    summary = {"prompts": finder.prompts, "empty_prompts": finder.empty, "duplicates": len(rows),
+               "seconds": round(time.perf_counter() - started, 2)}
+    return rows, summary
+
+
+def write_near_duplicates_for(store: Store, layout: DatasetLayout, rows: Sequence[tuple[str, str, float]],
+                              settings: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    """near_duplicates.parquet, then near_duplicates.json (its settings and summary: the commit point)."""
+    key = write_near_duplicates(store, layout, rows)
+    body = json.dumps({"settings": dict(settings), "summary": dict(summary)}, sort_keys=True).encode()
+    with_retries(lambda: store.put(layout.near_duplicates_meta_key, body, content_type="application/json"),
+                 what="write near_duplicates.json")
+    return key
+
+
+def load_near_duplicates_for(store: Store, layout: DatasetLayout,
+                             settings: Mapping[str, Any]) -> tuple[dict[str, tuple[str, float]], dict[str, Any]] | None:
+    """{id: (duplicate_of, similarity)} and the summary, when the stored list was found under `settings`
+    (this plan, this threshold and num_perm); None otherwise (not computed yet, or for something else)."""
+    got = with_retries(lambda: store.get(layout.near_duplicates_meta_key), what="read near_duplicates.json")
+    if got is None:
+        return None
+    meta = json.loads(got[0])
+    if meta.get("settings") != dict(settings):
+        return None
+    data = with_retries(lambda: store.get(layout.near_duplicates_key), what="read near_duplicates")
+    if data is None:
+        return None
+    table = pq.ParquetFile(io.BytesIO(data[0])).read()
+    found = {i: (d, round(float(s), 4)) for i, d, s in zip(table.column("id").to_pylist(),
+                                                           table.column("duplicate_of").to_pylist(),
+                                                           table.column("similarity").to_pylist())}
+    return found, dict(meta.get("summary") or {})
 
 
 def load_near_duplicates(store: Store, layout: DatasetLayout) -> dict[str, str]:

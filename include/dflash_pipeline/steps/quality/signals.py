@@ -76,10 +76,17 @@ def loop_stretches(text: str, ngram: int = 8, max_period: int = 2048, min_span: 
     one's previous occurrence (no Python loop over tokens).
     """
     tokens = loop_tokens(text)
-    t = len(tokens) - ngram + 1
+    if len(tokens) - ngram + 1 < 2:
+        return []
+    return stretches_of_ids(np.array(list(map(hash, tokens)), dtype=np.int64).view(np.uint64), ngram, max_period,
+                            min_span)
+
+
+def stretches_of_ids(ids: np.ndarray, ngram: int, max_period: int, min_span: int) -> list[tuple[int, float]]:
+    """`loop_stretches` over token ids (uint64; equal tokens, equal ids)."""
+    t = len(ids) - ngram + 1
     if t < 2:
         return []
-    ids = np.array(list(map(hash, tokens)), dtype=np.int64).view(np.uint64)
     h = np.zeros(t, dtype=np.uint64)
     mult = np.uint64(0x100000001B3)
     with np.errstate(over="ignore"):
@@ -228,3 +235,111 @@ def flags_of(signals: Mapping[str, Any], settings: QualitySettings) -> list[str]
     if settings.languages is not None and lang is not None and lang not in settings.languages:
         out.append("language")
     return out
+
+
+def part_row_signals(rows: list[Mapping[str, Any]], settings: QualitySettings,
+                     columns: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """`row_signals` of every row of one part, the same values, computed part-wise: the loop rule over all the
+    part's single-turn texts in one vectorised pass (`loop_flags`); language ID stays per answer (batching
+    py3langid's scoring did not pay: its per-text DFA walk in Python dominates, docs/quality.md). Multi-turn
+    rows take `row_signals` itself. `columns`: the part's
+    `reasoning` and `content` as Arrow arrays (the same rows), so the loop pass reads them without a copy."""
+    single = [i for i, r in enumerate(rows) if len(turns_of(r)) == 1]
+    multi = set(range(len(rows))) - set(single)
+    turns = {i: turns_of(rows[i])[0] for i in single}
+    if columns is not None and len(single) == len(rows):
+        loops_r = loop_flags(columns["reasoning"], settings)
+        loops_a = loop_flags(columns["content"], settings)
+    else:
+        loops_r = loop_flags([turns[i][0] for i in single], settings)
+        loops_a = loop_flags([turns[i][1] for i in single], settings)
+    langs = {i: identify_language(turns[i][1], settings) for i in single if turns[i][1].strip()}
+    out: list[dict[str, Any]] = []
+    k = 0
+    for i, row in enumerate(rows):
+        if i in multi:
+            out.append(row_signals(row, settings))
+            continue
+        reasoning, answer, finish = turns[i]
+        empty = not answer.strip()
+        lang, score = langs.get(i, (None, None))
+        out.append({"q_loop_reasoning": bool(loops_r[k]), "q_loop_answer": bool(loops_a[k]),
+                    "q_truncated_thinking": finish == "length" and (empty or _open_thinking(answer)),
+                    "q_empty_answer": finish == "stop" and empty, "q_refusal": is_refusal(answer, settings),
+                    "language": lang, "language_score": score})
+        k += 1
+    return out
+
+
+
+
+def _word_ids(texts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Loop tokens of non-CJK texts as per-batch integer ids (equal tokens, equal ids) and each text's token
+    count: whitespace words, a word longer than PIECE characters cut into PIECE-character pieces (as
+    `loop_tokens`). The split and the word ids come from pyarrow (C++); only distinct long words are cut in
+    Python, and their pieces are spliced in with numpy."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, type=pa.large_string())
+    words = pc.utf8_split_whitespace(pc.fill_null(arr, ""))
+    flat = pc.list_flatten(words)
+    parents = np.asarray(pc.list_parent_indices(words).to_numpy(zero_copy_only=False), dtype=np.int64)
+    enc = pc.dictionary_encode(flat)
+    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    vocab = enc.dictionary.to_pylist()
+    # each distinct word -> the ids of its pieces (a short word: itself; "" from a leading space: nothing)
+    ids_of: dict[str, int] = {}
+    pieces: list[list[int]] = []
+    for w in vocab:
+        cut = [w] if len(w) <= PIECE else [w[k:k + PIECE] for k in range(0, len(w), PIECE)]
+        pieces.append([ids_of.setdefault(p, len(ids_of)) for p in cut if p])
+    lens = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    flat_pieces = np.fromiter((x for p in pieces for x in p), dtype=np.int64, count=int(lens.sum()))
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    per_word = lens[idx]
+    start = np.repeat(offs[idx], per_word)
+    within = np.arange(int(per_word.sum())) - np.repeat(np.cumsum(per_word) - per_word, per_word)
+    ids = flat_pieces[start + within]
+    counts = np.bincount(np.repeat(parents, per_word), minlength=len(texts)).astype(np.int64)
+    return ids, counts
+
+
+def loop_flags(texts: Any, settings: QualitySettings) -> np.ndarray:
+    """`is_loop` of many texts at once (a list of str, or an Arrow string array: a part's column): the same
+    rule, their tokens split and numbered in one pyarrow pass; texts with CJK characters, whose tokens need
+    the regex, go through `is_loop` one by one."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = texts if isinstance(texts, (pa.Array, pa.ChunkedArray)) else pa.array(texts, type=pa.large_string())
+    arr = pc.fill_null(arr, "")
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    n = len(arr)
+    out = np.zeros(n, dtype=bool)
+    lens = np.asarray(pc.utf8_length(arr).to_numpy(zero_copy_only=False), dtype=np.int64)
+    cjk = np.asarray(pc.match_substring_regex(arr, f"[{_CJK}]").to_numpy(zero_copy_only=False), dtype=bool)
+    todo = lens >= settings.loop_min_span_tokens
+    for i in np.flatnonzero(todo & cjk).tolist():
+        out[i] = is_loop(arr[i].as_py(), settings)
+    plain = np.flatnonzero(todo & ~cjk)
+    if len(plain):
+        ids, counts = _word_ids(pc.take(arr, pa.array(plain)))
+        out[plain] = _loops_in_segments(ids, counts, settings)
+    return out
+
+
+def _loops_in_segments(ids: np.ndarray, counts: np.ndarray, settings: QualitySettings) -> np.ndarray:
+    """`is_loop` of each consecutive segment of token ids (one per text): the same numpy core per text, without
+    its Python tokenising and hashing (one sort per text: a text's sort is cache-sized, a part's is not)."""
+    result = np.zeros(len(counts), dtype=bool)
+    vals = (ids + 1).astype(np.uint64)
+    ends = np.cumsum(counts)
+    for g, (b, e) in enumerate(zip((ends - counts).tolist(), ends.tolist())):
+        if e - b < settings.loop_min_span_tokens:  # as is_loop: a text shorter than the span holds no loop
+            continue
+        result[g] = any(span >= settings.loop_min_span_tokens and repeats >= settings.loop_min_repeats
+                        for span, repeats in stretches_of_ids(vals[b:e], settings.loop_ngram,
+                                                              settings.loop_max_period, settings.loop_min_span_tokens))
+    return result

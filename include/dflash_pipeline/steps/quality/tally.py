@@ -2,27 +2,23 @@
 with a few example rows (id + excerpt); the answers' languages; the near-duplicate prompts.
 
 Validation never fails on these: they are facts about the data, and tokenize's gate decides what is
-dropped. Owned by validation's one thread: `add` per part, `finish` once (it writes
-near_duplicates.parquet and signals.parquet, every completion's signals as columns), then `report` / `markdown`.
-Both files are rewritten whole by `finish` only: a validation killed before it leaves the last run's files
-(or none), and the next validation rewrites them from the parts. `part_quality` (one part's rows) is a plain function
-of its inputs, so with `quality_workers` > 1 it runs in worker processes; their results are merged in the
-order the parts were added.
+dropped. A part's signals are computed once, into its digest (`signal_columns`, called by
+steps/validate/digest.py in the generate worker that committed the part, or at validation for a part
+without one). Owned by validation's one thread: `add_digest` per part, `finish` once (it writes
+signals.parquet, every completion's signals as columns, streamed from a spool), then `report` / `markdown`.
+signals.parquet is rewritten whole by `finish` only: a validation killed before it leaves the last run's
+file (or none), and the next validation rewrites it.
 """
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
-import os
-import time
-from collections import Counter, deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
-from typing import Any
-
-import io
 import json
+import logging
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -33,15 +29,7 @@ from dflash_pipeline.config.quality import QualitySettings
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.dataset.store import Store
-from dflash_pipeline.steps.quality.near_dup import (
-    NearDuplicateFinder,
-    Signatures,
-    prompt_signatures,
-    prompt_text,
-    write_near_duplicates,
-)
-from dflash_pipeline.dataset.store import with_retries
-from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, SIGNAL_COLUMNS, flags_of, is_loop, row_signals, turns_of
+from dflash_pipeline.steps.quality.signals import QUALITY_FLAGS, SIGNAL_COLUMNS, flags_of, is_loop, turns_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +42,6 @@ EXCERPT_CHARS = 240
 MAX_DOMAINS = 50
 """Domains listed per flag; the rest are summed under "(other)"."""
 UNKNOWN = "unknown"
-AUTO_WORKERS = 8
-AUTO_MIN_ROWS = 20_000
-_EMPTY = np.zeros((0, 0), dtype=np.uint32)
 SIGNALS_SCHEMA = pa.schema([
     ("id", pa.string()), ("sample", pa.int32()), ("thinking", pa.bool_()), ("domain", pa.string()),
     ("q_loop_reasoning", pa.bool_()), ("q_loop_answer", pa.bool_()), ("q_truncated_thinking", pa.bool_()),
@@ -131,177 +116,150 @@ class FlagCount:
         }
 
 
-@dataclass
-class PartQuality:
-    """What one part contributes (computed by `part_quality`, in this process or a worker's)."""
-
-    rows: int
-    by_thinking: Counter[str]
-    by_domain: Counter[str]
-    languages: Counter[str]
-    flagged: list[tuple[str, str, str, str, list[str], dict[str, str]]]
-    """(id, unit key, thinking, domain, flags, excerpt per flag) of each flagged row, in part order."""
-    labels: list[tuple[str, str]]
-    """(thinking, domain) of each completion row; the signatures' tags index it."""
-    signatures: Signatures
-    seconds: float
-    signals: list[dict[str, Any]] | None = None
-    """Each completion's row of signals.parquet (without duplicate_of), in part order."""
+SIGNAL_DIGEST_COLUMNS = ("q_loop_reasoning", "q_loop_answer", "q_truncated_thinking", "q_empty_answer", "q_refusal",
+                         "language", "language_score", "q_flags", "q_examples")
+"""The quality columns of a part's digest (steps/validate/digest.py): null on rows that are not completions."""
 
 
-def part_quality(part: pa.Table, settings: QualitySettings) -> PartQuality:
-    """The signals of one part's completion rows (error and unfinished rows are not completions)."""
-    started = time.perf_counter()
-    names = part.column_names
-    keep = pc.fill_null(pc.is_in(part.column("finish_reason"), pa.array(["stop", "length"])), False)
-    if "error_class" in names:
-        keep = pc.and_(keep, pc.is_null(part.column("error_class")))
-    rows = part.filter(keep).select([c for c in READ_COLUMNS if c in names]).to_pylist()
-    out = PartQuality(len(rows), Counter(), Counter(), Counter(), [], [], Signatures([], _EMPTY, [], [], 0, 0.0), 0.0,
-                      [])
-    ids: list[str] = []
-    prompts: list[str] = []
-    for row in rows:
-        thinking = _label(row.get("thinking"), lower=True)
-        domain = _label(row.get("domain"))
-        out.by_thinking[thinking] += 1
-        out.by_domain[domain] += 1
-        sig = row_signals(row, settings)
-        out.languages[sig["language"] or "undetermined"] += 1
-        flags = flags_of(sig, settings)
-        out.signals.append({"id": row["id"], "sample": int(row.get("sample") or 0), "thinking": row.get("thinking"),
-                            "domain": row.get("domain"), **{c: sig[c] for c in SIGNAL_COLUMNS},
-                            "duplicate_of": None, "flags": flags})
-        if flags:
-            out.flagged.append((row["id"], unit_key(row), thinking, domain, flags,
-                                {f: _example_text(f, row, sig, settings) for f in flags}))
-        out.labels.append((thinking, domain))
-        ids.append(row["id"])
-        prompts.append(prompt_text(row.get("messages") or _context_of(row)))
-    out.signatures = prompt_signatures(ids, prompts, range(len(ids)), settings.near_duplicate_num_perm)
-    out.seconds = time.perf_counter() - started
-    return out
+def signal_columns(tbl: pa.Table, completion: np.ndarray, settings: QualitySettings) -> dict[str, pa.Array]:
+    """The quality signals of a part's completion rows as digest columns aligned with `tbl` (null on
+    other rows): the SIGNAL_COLUMNS, the row's flags without near_duplicate (known by id, from the
+    prompts: near_dup.py) and, on flagged rows, one excerpt per flag (JSON)."""
+    n = tbl.num_rows
+    idx = np.flatnonzero(completion)
+    values: dict[str, list[Any]] = {c: [None] * n for c in SIGNAL_DIGEST_COLUMNS}
+    if len(idx):
+        sub = tbl.take(pa.array(idx, type=pa.int64())).select([c for c in READ_COLUMNS if c in tbl.column_names])
+        for i, row, sig in zip(idx.tolist(), sub.to_pylist(), part_signals(sub, settings)):
+            flags = flags_of(sig, settings)
+            for c in SIGNAL_COLUMNS:
+                values[c][i] = sig[c]
+            values["q_flags"][i] = flags
+            if flags:
+                values["q_examples"][i] = json.dumps({f: _example_text(f, row, sig, settings) for f in flags},
+                                                     sort_keys=True)
+    types = {"language": pa.string(), "language_score": pa.float64(), "q_flags": pa.list_(pa.string()),
+             "q_examples": pa.string()}
+    return {c: pa.array(values[c], type=types.get(c, pa.bool_())) for c in SIGNAL_DIGEST_COLUMNS}
 
 
-def pool_size(settings: QualitySettings, planned_rows: int) -> int:
-    """Worker processes for the row signals: `quality_workers`, or (0) one per core up to AUTO_WORKERS
-    when the dataset has at least AUTO_MIN_ROWS rows (a small one is done sooner in-process)."""
-    if settings.workers:
-        return settings.workers
-    if planned_rows < AUTO_MIN_ROWS:
-        return 1
-    return max(1, min(AUTO_WORKERS, os.cpu_count() or 1))
+def part_signals(rows: pa.Table, settings: QualitySettings) -> list[dict[str, Any]]:
+    """`row_signals` of every row of a part (completions), with the loop rule run over the whole part at
+    once (signals.loop_flags: one vectorised pass instead of one per text) and language ID batched."""
+    from dflash_pipeline.steps.quality.signals import part_row_signals
+
+    names = rows.column_names
+    columns = ({"reasoning": rows.column("reasoning"), "content": rows.column("content")}
+               if "reasoning" in names and "content" in names else None)
+    return part_row_signals(rows.to_pylist(), settings, columns)
 
 
 class QualityTally:
-    """Folds completion parts into the quality counts; `finish` runs the near-duplicate search.
+    """Folds part digests into the quality counts and streams signals.parquet (one row per completion, in
+    part order), with each row's near_duplicate flag from the prompts' near-duplicates (known before the
+    fold: near_dup.py ran beside generation, or validation ran it first)."""
 
-    With `workers` > 1 each part's signals are computed in a process pool (spawn) and merged in the order
-    the parts were added, so the report is the same as in-process; at most 2 x workers parts are in flight."""
-
-    def __init__(self, settings: QualitySettings, workers: int = 1) -> None:
+    def __init__(self, settings: QualitySettings, near: Mapping[str, tuple[str, float]] | None = None,
+                 near_meta: Mapping[str, Any] | None = None) -> None:
         self.settings = settings
         self.rows = 0
+        self.rows_flagged = 0
+        self.rows_loop = 0
         self.flags = {f: FlagCount() for f in QUALITY_FLAGS}
         self.by_thinking: Counter[str] = Counter()
         self.by_domain: Counter[str] = Counter()
         self.languages: Counter[str] = Counter()
-        self.flagged_per_id: dict[str, int] = {}
-        self.rows_per_id_flagged_any = 0
-        self.near = NearDuplicateFinder(settings.near_duplicate_threshold, settings.near_duplicate_num_perm)
-        self._label_codes: dict[tuple[str, str], int] = {}
-        self.near_rows: list[tuple[str, str, float]] = []
+        self.near = dict(near or {})
+        self.near_meta = dict(near_meta or {})
         self.near_key: str | None = None
         self.signals_key: str | None = None
-        self._signals: list[pa.Table] = []  # one per part, columnar (900k rows of dicts would not be)
         self.seconds = 0.0
-        self.cpu_seconds = 0.0
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-        self._pending: deque[Future[PartQuality]] = deque()
+        self._spool = tempfile.TemporaryFile(prefix="dflash-signals-")
+        self._writer: pq.ParquetWriter | None = None
 
-    def add(self, part: pa.Table) -> None:
-        """One part (all its rows; the completions are picked out)."""
+    def add_digest(self, table: pa.Table) -> None:
+        """One part's digest (its completion rows carry the signal columns)."""
         started = time.perf_counter()
-        if self.workers > 1 and self._pool is None:  # started on the first part: nothing to leak before
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-        if self._pool is None:
-            self._merge(part_quality(part, self.settings))
-        else:
-            self._pending.append(self._pool.submit(part_quality, part, self.settings))
-            while len(self._pending) > 2 * self.workers:
-                self._merge(self._pending.popleft().result())
-        self.seconds += time.perf_counter() - started
-
-    def _merge(self, got: PartQuality) -> None:
-        self.rows += got.rows
-        self.by_thinking.update(got.by_thinking)
-        self.by_domain.update(got.by_domain)
-        self.languages.update(got.languages)
-        self.cpu_seconds += got.seconds
-        self._signals.append(pa.Table.from_pylist(got.signals or [], schema=SIGNALS_SCHEMA))
-        for pid, key, thinking, domain, flags, excerpts in got.flagged:
-            self.flagged_per_id[pid] = self.flagged_per_id.get(pid, 0) + 1
+        if "q_flags" not in table.column_names or table.num_rows == 0:
+            return
+        sub = table.filter(pc.is_valid(table.column("q_flags")))
+        if sub.num_rows == 0:
+            self.seconds += time.perf_counter() - started
+            return
+        cols = {c: sub.column(c).to_pylist() if c in sub.column_names else [None] * sub.num_rows
+                for c in ("id", "sample", "thinking", "domain", "q_flags", "q_examples", "language")}
+        dup_of: list[str | None] = []
+        flags_out: list[list[str]] = []
+        for i, pid in enumerate(cols["id"]):
+            thinking = _label(cols["thinking"][i], lower=True)
+            domain = _label(cols["domain"][i])
+            self.by_thinking[thinking] += 1
+            self.by_domain[domain] += 1
+            self.languages[cols["language"][i] or "undetermined"] += 1
+            flags = list(cols["q_flags"][i])
+            near = self.near.get(pid)
+            dup_of.append(near[0] if near else None)
+            if near:
+                flags = [q for q in QUALITY_FLAGS if q in flags or q == "near_duplicate"]
+            flags_out.append(flags)
+            if not flags:
+                continue
+            self.rows_flagged += 1
+            self.rows_loop += "loop_reasoning" in flags or "loop_answer" in flags
+            excerpts = json.loads(cols["q_examples"][i]) if cols["q_examples"][i] else {}
+            key = unit_key({"id": pid, "sample": cols["sample"][i]})
             for f in flags:
                 fc = self.flags[f]
-                fc.add(thinking, domain, key, excerpts[f] if len(fc.examples) < EXAMPLES else None)
-        codes = [self._label_codes.setdefault(label, len(self._label_codes)) for label in got.labels]
-        sigs = got.signatures
-        sigs.tags = [codes[i] for i in sigs.tags]
-        self.near.add_signatures(sigs)
+                text = (f"duplicate of {near[0]} (similarity {near[1]})" if f == "near_duplicate" and near
+                        else excerpts.get(f, ""))
+                fc.add(thinking, domain, pid if f == "near_duplicate" else key,
+                       text if len(fc.examples) < EXAMPLES else None)
+        self.rows += sub.num_rows
+        self._write_signals(sub, dup_of, flags_out)
+        self.seconds += time.perf_counter() - started
+
+    def _write_signals(self, sub: pa.Table, dup_of: list[str | None], flags: list[list[str]]) -> None:
+        n = sub.num_rows
+
+        def col(name: str, typ: pa.DataType) -> pa.Array:
+            return (sub.column(name).combine_chunks().cast(typ) if name in sub.column_names
+                    else pa.nulls(n, typ))
+
+        sample = pc.fill_null(col("sample", pa.int32()), 0)
+        table = pa.table([col("id", pa.string()), sample, col("thinking", pa.bool_()), col("domain", pa.string()),
+                          *(col(c, pa.bool_()) for c in SIGNAL_COLUMNS[:5]), col("language", pa.string()),
+                          col("language_score", pa.float64()), pa.array(dup_of, pa.string()),
+                          pa.array(flags, pa.list_(pa.string()))], schema=SIGNALS_SCHEMA)
+        if self._writer is None:
+            schema = SIGNALS_SCHEMA.with_metadata(
+                {"dflash.quality_settings": json.dumps(self.settings.to_dict(), sort_keys=True)})
+            self._writer = pq.ParquetWriter(self._spool, schema, compression="zstd")
+        self._writer.write_table(table.replace_schema_metadata(self._writer.schema.metadata))
 
     def close(self) -> None:
-        """Stop the workers (idempotent; `finish` calls it, and validation does on a failure)."""
-        if self._pool is not None:
-            for fut in self._pending:
-                fut.cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Drop the spool (idempotent; validation calls it on a failure too)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._spool.close()
 
-    def finish(self, store: Store, layout: DatasetLayout) -> None:
-        """Find the near-duplicate prompts, count them, and write near_duplicates.parquet."""
+    def finish(self, store: Store, layout: DatasetLayout, near_key: str | None) -> None:
+        """Write signals.parquet (streamed from the spool: memory does not grow with the rows)."""
+        from dflash_pipeline.dataset.store import upload_file
+
         started = time.perf_counter()
-        try:
-            while self._pending:
-                self._merge(self._pending.popleft().result())
-        finally:
-            self.close()
-        self.near_rows = self.near.finish()
-        self.near_key = write_near_duplicates(store, layout, self.near_rows)
-        fc = self.flags["near_duplicate"]
-        labels = {code: label for label, code in self._label_codes.items()}
-        extra = 0
-        for (pid, dup_of, sim), tag, rows in zip(self.near_rows, self.near.tags, self.near.rows):
-            thinking, domain = labels.get(tag, (UNKNOWN, UNKNOWN))
-            fc.add(thinking, domain, pid, f"duplicate of {dup_of} (similarity {sim})" if len(fc.examples) < EXAMPLES
-                   else None, n=rows)
-            extra += rows - self.flagged_per_id.get(pid, 0)
-        self.rows_per_id_flagged_any = sum(self.flagged_per_id.values()) + extra
-        self.signals_key = self._write_signals(store, layout)
+        if self._writer is None:
+            schema = SIGNALS_SCHEMA.with_metadata(
+                {"dflash.quality_settings": json.dumps(self.settings.to_dict(), sort_keys=True)})
+            self._writer = pq.ParquetWriter(self._spool, schema, compression="zstd")
+        self._writer.close()
+        self._writer = None
+        self.near_key = near_key
+        self.signals_key = layout.quality_signals_key
+        upload_file(store, self.signals_key, self._spool, "application/vnd.apache.parquet")
         self.seconds += time.perf_counter() - started
-        logger.info("quality signals over %d completions in %.1fs; %d near-duplicate prompt(s) written to %s",
-                    self.rows, self.seconds, len(self.near_rows), self.near_key)
-
-    def _write_signals(self, store: Store, layout: DatasetLayout) -> str:
-        """signals.parquet: the signals kept as columns, for people and tools to query (tokenize recomputes
-        them with its own settings, which may differ); same parts and settings, same bytes."""
-        dups = {pid: dup for pid, dup, _ in self.near_rows}
-        table = pa.concat_tables(self._signals) if self._signals else SIGNALS_SCHEMA.empty_table()
-        dup_of = [dups.get(pid) for pid in table.column("id").to_pylist()]
-        flags = [f if d is None else [q for q in QUALITY_FLAGS if q in f or q == "near_duplicate"]
-                 for f, d in zip(table.column("flags").to_pylist(), dup_of)]
-        table = table.set_column(table.schema.get_field_index("duplicate_of"), "duplicate_of",
-                                 pa.array(dup_of, pa.string()))
-        table = table.set_column(table.schema.get_field_index("flags"), "flags", pa.array(flags, pa.list_(pa.string())))
-        table = table.replace_schema_metadata(
-            {"dflash.quality_settings": json.dumps(self.settings.to_dict(), sort_keys=True)})
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        key = layout.quality_signals_key
-        data = buf.getvalue()
-        with_retries(lambda: store.put(key, data, content_type="application/vnd.apache.parquet"), what=f"write {key}")
-        self._signals = []
-        return key
+        logger.info("quality signals over %d completions merged in %.1fs; %d near-duplicate prompt(s) in %s",
+                    self.rows, self.seconds, len(self.near), self.near_key)
 
     def report(self) -> dict[str, Any]:
         """report.json's `quality` section."""
@@ -309,25 +267,20 @@ class QualityTally:
         return {
             "settings": self.settings.to_dict(),
             "rows": self.rows,
-            "rows_flagged": self.rows_per_id_flagged_any,
-            "rows_flagged_share": round(self.rows_per_id_flagged_any / self.rows, 4) if self.rows else 0.0,
+            "rows_flagged": self.rows_flagged,
+            "rows_flagged_share": round(self.rows_flagged / self.rows, 4) if self.rows else 0.0,
             "flags": {f: c.to_dict(self.rows, self.by_thinking, self.by_domain) for f, c in self.flags.items()},
             "languages": dict(langs[:MAX_DOMAINS]) | ({"(other)": sum(k for _, k in langs[MAX_DOMAINS:])}
                                                      if langs[MAX_DOMAINS:] else {}),
             "signals_key": self.signals_key,
-            "near_duplicates": {"key": self.near_key, "prompts": self.near.prompts, "duplicates": len(self.near_rows),
-                                "empty_prompts": self.near.empty, "seconds": round(self.near.seconds, 2)},
+            "near_duplicates": {"key": self.near_key, "prompts": self.near_meta.get("prompts", 0),
+                                "duplicates": len(self.near), "empty_prompts": self.near_meta.get("empty_prompts", 0),
+                                "computed": self.near_meta.get("computed"),
+                                "seconds": self.near_meta.get("seconds", 0.0)},
             "seconds": round(self.seconds, 2),
-            "cpu_seconds": round(self.cpu_seconds, 2),
-            "workers": self.workers,
             "note": "Quality signals never fail validation; tokenize's drop_quality decides what is dropped "
                     "(docs/quality.md). language is flagged only when `languages` is set.",
         }
-
-
-def _context_of(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The conversation's messages when the part has no `messages` column."""
-    return list(row.get("conversation") or [])
 
 
 def markdown(q: dict[str, Any] | None) -> str:
@@ -361,4 +314,4 @@ def disabled_report() -> dict[str, Any]:
     return {"disabled": True}
 
 
-__all__ = ["EXAMPLES", "READ_COLUMNS", "QualityTally", "disabled_report", "markdown"]
+__all__ = ["EXAMPLES", "READ_COLUMNS", "SIGNAL_DIGEST_COLUMNS", "QualityTally", "disabled_report", "markdown", "signal_columns"]

@@ -29,6 +29,10 @@ One training row per regenerated assistant turn (turns.py says which turns and t
   left out otherwise. A turn cut at `max_tokens` has neither.
 * Rows longer than `max_length` are cut there (`truncated_to_max_length`); a row left with no
   trained token is dropped.
+* **Original answers** (`answers: original`, `ids_source` "original"): the input's own answers at the
+  regenerated turns' places (turns.original_turns_of), rendered and encoded as a re-encoded turn is, in the
+  row's thinking mode, with nothing to check them against (no engine ids, no engine counts): what a user who
+  did not regenerate trains on, not token-exact.
 """
 
 from __future__ import annotations
@@ -43,12 +47,19 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.config import DFLASH_MIN_LOSS_TOKENS, TOKENIZE_PROFILES, ConfigError
-from dflash_pipeline.config.tokenize import QUALITY_FLAG_NAMES
+from dflash_pipeline.config.tokenize import ANSWERS, ANSWERS_ORIGINAL, QUALITY_FLAG_NAMES
 from dflash_pipeline.dataset.records import unit_key
 from dflash_pipeline.serving.specstats import SPEC_COLUMNS, SpecStats
 from dflash_pipeline.steps.tokenize.dflash import dflash_ready
 from dflash_pipeline.steps.tokenize.gates import DropTally, domain_of, mode_of
-from dflash_pipeline.steps.tokenize.turns import TurnSource, turns_of
+from dflash_pipeline.steps.tokenize.turns import (
+    DROP_NO_ORIGINAL,
+    ORIGIN_ORIGINAL,
+    TurnSource,
+    is_empty,
+    original_turns_of,
+    turns_of,
+)
 from dflash_pipeline.steps.validate.tokencount import THINK_CLOSE, Recounter, text_variants
 
 logger = logging.getLogger(__name__)
@@ -59,6 +70,8 @@ SETTINGS_FORMAT = 2
 
 IDS_ENGINE = "engine"
 IDS_RETOKENIZED = "retokenized"
+IDS_ORIGINAL = "original"
+"""An original answer's text, encoded here: no engine ids and no engine counts to check it against."""
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -130,10 +143,14 @@ class TokenizeSettings:
     """Quality flags whose rows are dropped (steps/tokenize/qualityfilter.py)."""
     quality: dict[str, Any] = field(default_factory=dict)
     """The row-signal quality params (config.tokenize.ROW_QUALITY_PARAMS) the flags are computed with."""
+    answers: str = "regenerated"
+    """Whose answers the rows train: the target model's ('regenerated') or the input's ('original')."""
 
     def __post_init__(self) -> None:
         if self.train_turns not in TRAIN_TURNS:
             raise ConfigError(f"train_turns must be one of {TRAIN_TURNS}, got {self.train_turns!r}")
+        if self.answers not in ANSWERS:
+            raise ConfigError(f"answers must be one of {ANSWERS}, got {self.answers!r}")
         if self.max_length < 1:
             raise ConfigError(f"max_length must be at least 1, got {self.max_length}")
 
@@ -282,7 +299,7 @@ class TrainingRowBuilder:
                 b.source = IDS_ENGINE
                 plans.append(_Plan(b, prompt))
                 continue
-            b.source = IDS_RETOKENIZED
+            b.source = IDS_ORIGINAL if turn.origin == ORIGIN_ORIGINAL else IDS_RETOKENIZED
             generated = self.generated_texts(turn, prompt)
             if not generated:
                 b.drop = DROP_TEMPLATE
@@ -312,6 +329,10 @@ class TrainingRowBuilder:
                     if t.prompt_tokens is not None and len(rendered) != t.prompt_tokens:
                         b.unverified = f"prompt {len(rendered)} tokens, engine counted {t.prompt_tokens}"
                 output_ids = t.output_ids
+            elif b.source == IDS_ORIGINAL:  # nothing to check it against: the input's text, encoded
+                assert rendered is not None
+                prompt_ids = rendered
+                output_ids = np.asarray(next(encoded), dtype=np.int32)
             else:
                 assert rendered is not None
                 prompt_ids = rendered
@@ -409,6 +430,10 @@ class PartStats:
     whose trainer re-tokenizes text, SpecForge's conversations, is written; they are left out of it)."""
     profiles: dict[str, Any] = field(default_factory=dict)
     """Per profile: rows written, files, and the SpecForge conversations export's figures."""
+    original_answers: dict[str, int] = field(default_factory=dict)
+    """answers 'original': training rows kept whose answer had no reasoning in a thinking-on row
+    (ORIGINAL_WITHOUT_REASONING: the template's empty think block is trained) and whose reasoning was left out
+    in a thinking-off row (ORIGINAL_REASONING_LEFT_OUT)."""
     kept_by_thinking: dict[str, int] = field(default_factory=dict)
     kept_by_domain: dict[str, int] = field(default_factory=dict)
     dropped_by_thinking: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -417,6 +442,19 @@ class PartStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+ORIGINAL_WITHOUT_REASONING = "thinking_on_without_reasoning"
+ORIGINAL_REASONING_LEFT_OUT = "thinking_off_reasoning_left_out"
+
+
+def _original_note(turn: TurnSource, thinking: bool) -> str | None:
+    """How an original answer was rendered against its row's thinking mode (PartStats.original_answers)."""
+    if turn.origin != ORIGIN_ORIGINAL:
+        return None
+    if turn.reasoning_left_out:
+        return ORIGINAL_REASONING_LEFT_OUT
+    return ORIGINAL_WITHOUT_REASONING if thinking and not turn.reasoning else None
 
 
 RowFilter = Callable[[Mapping[str, Any]], "str | None"]
@@ -439,6 +477,7 @@ def tokenize_table(
     what the filters read besides the usual. Every drop is also counted by the row's thinking mode and
     domain (stats.dropped_by_*)."""
     s = builder.settings
+    original = s.answers == ANSWERS_ORIGINAL
     stats = PartStats(rows_in=table.num_rows)
     dropped: Counter[str] = Counter()
     tally = DropTally()
@@ -456,9 +495,10 @@ def tokenize_table(
     generated: list[np.ndarray | None] = []
     conversations: list[list[dict[str, Any]]] = []
     spec_rows: list[dict[str, Any]] = []
+    notes: list[str | None] = []
     wanted = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
               "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", "thinking",
-              "domain", *extra_columns)
+              "domain", *(("original_messages",) if original else ()), *extra_columns)
     wanted = tuple(dict.fromkeys(wanted))
     for batch in table.select([c for c in wanted if c in table.column_names]).to_batches(max_chunksize=batch_rows):
         todo: list[tuple[str, int, TurnSource]] = []
@@ -472,13 +512,14 @@ def tokenize_table(
             if refused:
                 drop(refused, label)
                 continue
-            turns = turns_of(row)
+            turns = original_turns_of(row, s.enable_thinking) if original else turns_of(row)
             if not turns:
-                drop(DROP_NO_TURN, label)
+                drop(DROP_NO_ORIGINAL if original else DROP_NO_TURN, label)
                 continue
-            with_ids = sum(1 for t in turns if t.output_ids is not None)
-            stats.rows_with_engine_ids += with_ids == len(turns)
-            stats.rows_without_engine_ids += with_ids == 0
+            if not original:  # the engine's ids are the regenerated turns'
+                with_ids = sum(1 for t in turns if t.output_ids is not None)
+                stats.rows_with_engine_ids += with_ids == len(turns)
+                stats.rows_without_engine_ids += with_ids == 0
             by_turns[str(turns[-1].assistant_turns)] += 1
             chosen = turns if s.train_turns == "all" else turns[-1:]
             flagged = quality_filter(row) if quality_filter is not None else None
@@ -490,6 +531,8 @@ def tokenize_table(
             for t in chosen:
                 if s.drop_truncated and t.finish_reason == "length":
                     drop(DROP_TRUNCATED, label)
+                elif original and is_empty(t):
+                    drop(DROP_NO_ORIGINAL, label)
                 else:
                     todo.append((row["id"], sample, t))
                     labels.append(label)
@@ -519,6 +562,7 @@ def tokenize_table(
             generated.append(b.turn.output_ids if b.source == IDS_ENGINE else None)
             conversations.append(conversation_of(b.turn))
             spec_rows.append(turn_spec_columns(b.turn.spec))
+            notes.append(_original_note(b.turn, builder.thinking_of(b.turn)))
     canonical = builder.canonical(generated) if "specforge" in s.profiles else [None] * len(generated)
     lengths = np.fromiter((len(a) for a in id_arrays), dtype=np.int64, count=len(id_arrays))
     loss = np.fromiter((int(m.sum(dtype=np.int64)) for m in mask_arrays), dtype=np.int64, count=len(mask_arrays))
@@ -553,6 +597,7 @@ def tokenize_table(
             tally.drop(reason, *built_labels[i])
     for i in ready.kept.tolist():
         tally.keep(*built_labels[i])
+    stats.original_answers = dict(sorted(Counter(n for n in (notes[i] for i in ready.kept.tolist()) if n).items()))
     for name, value in tally.to_dict().items():
         setattr(stats, name, value)
     n_tokens = out.column("num_tokens").to_numpy().astype(np.int64) if out.num_rows else np.zeros(0, np.int64)

@@ -11,7 +11,8 @@ or domain without anyone seeing it. So:
 * the report fails the run (TokenizeFailed, after writing report.json / report.md; no dataset card, no
   asset event) when the rows kept are fewer than ``min_kept_share`` of the rows counted. Rows counted =
   rows kept + rows dropped for any reason but ``heldout`` (a held-out conversation is kept out on purpose,
-  not lost). An error or held-out completion row counts once (its turns are never built); a row dropped
+  not lost) and ``original_answer_of_another_sample`` (answers 'original': a prompt's original answers are
+  trained once, from sample 0). An error or held-out completion row counts once (its turns are never built); a row dropped
   for a quality flag counts once per turn it would have trained.
 
 Units: training rows (one per regenerated assistant turn), as everywhere in the tokenize stats.
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_pipeline.steps.tokenize.heldout import DROP_HELDOUT
+from dflash_pipeline.steps.tokenize.turns import DROP_OTHER_SAMPLE
 
 THINKING_ON, THINKING_OFF = "on", "off"
 NO_DOMAIN = "(none)"
-NOT_LOST = frozenset({DROP_HELDOUT})
+NOT_LOST = frozenset({DROP_HELDOUT, DROP_OTHER_SAMPLE})
 """Drop reasons that do not count against the kept share."""
 DOMAINS_SHOWN = 20
 """Domains named in the markdown tables (the most frequent; the rest summed as "other"); the JSON has all."""

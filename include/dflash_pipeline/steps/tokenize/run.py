@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash_pipeline.config import TOKENIZE_PARAM_SCHEMAS, ConfigError, TokenizeConfig
+from dflash_pipeline.config.tokenize import ANSWERS_ORIGINAL, ORIGINAL_TOKENIZATION, PROMPT_QUALITY_FLAGS
 from dflash_pipeline.dataset.layout import DEFAULT_TOKENIZATION, TOKENIZED_RESERVED, DatasetLayout, chunk_of_key
 from dflash_pipeline.dataset.store import PreconditionFailed, Store, with_retries
 from dflash_pipeline.steps.tokenize.card import dataset_card
@@ -38,6 +39,7 @@ from dflash_pipeline.steps.tokenize.exact import RowFilter
 from dflash_pipeline.steps.tokenize.profiles import build_profile_files, profile_globs
 from dflash_pipeline.steps.tokenize.qualityfilter import NEAR_DUPLICATE, quality_filter
 from dflash_pipeline.steps.tokenize.rowlabels import LABEL_COLUMNS, labels_by_unit, with_labels
+from dflash_pipeline.steps.tokenize.turns import DROP_OTHER_SAMPLE
 from dflash_pipeline.steps.tokenize.provenance import manifest_provenance, specforge_template_name, tokenizer_provenance
 from dflash_pipeline.steps.validate import mix as mixreport
 from dflash_pipeline.steps.validate.tokencount import load_recounter
@@ -48,6 +50,8 @@ REPORT_FORMAT = "dflash-pipeline/tokenized/2"
 READ_COLUMNS = ("id", "sample", "messages", "reasoning", "content", "finish_reason", "error_class", "conversation",
                 "turns", "prompt_tokens", "completion_tokens", "prompt_token_ids", "output_token_ids", *LABEL_COLUMNS,
                 *SIGNAL_COLUMNS)
+ORIGINAL_COLUMNS = ("original_messages",)
+"""Read too with answers 'original' only (old answers can be long; a regenerated tokenization never needs them)."""
 
 
 class TokenizeFailed(Exception):
@@ -117,14 +121,17 @@ def resolve_settings(store: Store, layout: DatasetLayout, cfg: TokenizeConfig) -
             raise ConfigError(f"{layout.uri}: the generate run had no tokenizer param (none in its manifest, no "
                               "recount in its report), so there is no default; give the tokenizer param (a Hugging "
                               "Face id, a tokenizer.json, a model directory or an s3:// prefix)")
+    drop_quality = cfg.drop_quality
+    if cfg.answers == ANSWERS_ORIGINAL:  # the other flags are signals of the regenerated answers
+        drop_quality = tuple(f for f in drop_quality if f in PROMPT_QUALITY_FLAGS)
     return TokenizeSettings(tokenizer=tokenizer, max_length=cfg.max_length, train_turns=cfg.train_turns,
                             loss_on_reasoning=cfg.loss_on_reasoning, drop_truncated=cfg.drop_truncated,
                             enable_thinking=thinking, train_eot_newline=cfg.train_eot_newline,
                             keep_unverified=cfg.keep_unverified, profiles=cfg.profiles,
                             min_loss_tokens=cfg.min_loss_tokens,
                             require_consecutive_loss_tokens=cfg.require_consecutive_loss_tokens,
-                            heldout_uri=cfg.heldout_uri, drop_quality=cfg.drop_quality,
-                            quality=cfg.quality_params())
+                            heldout_uri=cfg.heldout_uri, drop_quality=drop_quality,
+                            quality=cfg.quality_params(), answers=cfg.answers)
 
 
 def check_against_manifest(manifest: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> None:
@@ -141,10 +148,15 @@ def check_against_manifest(manifest: dict[str, Any], settings: TokenizeSettings,
 
 
 def _differ(pinned: dict[str, Any], settings: TokenizeSettings, builder: TrainingRowBuilder) -> dict[str, Any]:
-    """What a pinned settings.json and these settings (with this tokenizer file) disagree on; {} = the same."""
+    """What a pinned settings.json and these settings (with this tokenizer file) disagree on; {} = the same.
+    A tokenization with a planted defect (dev/data_defects.py) differs from anything a tokenize run asks for."""
     differ: dict[str, Any] = {}
-    if TokenizeSettings.from_dict(pinned) != settings:
-        differ = {k: (pinned.get(k), v) for k, v in settings.to_dict().items() if pinned.get(k) != v}
+    pinned_settings = TokenizeSettings.from_dict(pinned)
+    if pinned_settings != settings:
+        old = pinned_settings.to_dict()  # defaults filled in for keys pinned before they existed
+        differ = {k: (old.get(k), v) for k, v in settings.to_dict().items() if old.get(k) != v}
+    if pinned.get("defect"):
+        differ["defect"] = ((pinned["defect"] or {}).get("name"), None)
     sha = "tokenizer_json_sha256"
     was = ((pinned.get("provenance") or {}).get("tokenizer") or {}).get(sha)
     if was is not None and was != builder.provenance.get(sha):
@@ -183,15 +195,21 @@ def free_name(settings: TokenizeSettings, builder: TrainingRowBuilder, taken: se
 def choose_tokenization(store: Store, layout: DatasetLayout, settings: TokenizeSettings, builder: TrainingRowBuilder,
                         requested: str | None) -> str:
     """The tokenization this run writes: the name asked for; else the one already made with these settings
-    (resumed), else 'default' when free, else a new name (`free_name`). Never rewrites another's files."""
+    (resumed), else 'default' when free, else a new name (`free_name`). Never rewrites another's files.
+    Original answers never take 'default' (the regenerated answers' tokenization): 'original' when free."""
+    original = settings.answers == ANSWERS_ORIGINAL
+    if original and requested == DEFAULT_TOKENIZATION:
+        raise ConfigError(f"{layout.uri}: answers 'original' cannot be the {DEFAULT_TOKENIZATION!r} tokenization (it "
+                          f"holds the regenerated answers): give another name, e.g. {ORIGINAL_TOKENIZATION!r}")
     if requested is not None:
         return requested
     existing = existing_tokenizations(store, layout)
     for name, doc in existing.items():
         if not _differ(doc, settings, builder):
             return name
-    if DEFAULT_TOKENIZATION not in existing:
-        return DEFAULT_TOKENIZATION
+    first = ORIGINAL_TOKENIZATION if original else DEFAULT_TOKENIZATION
+    if first not in existing:
+        return first
     name = free_name(settings, builder, set(existing))
     logger.info("%s: tokenized/ holds %s made with other settings; this tokenization is %r (tokenized/%s/)",
                 layout.uri, sorted(existing), name, name)
@@ -267,12 +285,12 @@ def plan(client: Any, output_uris: list[str], cfg: TokenizeConfig) -> dict[str, 
     }
 
 
-def _read_part(store: Store, key: str) -> Any:
+def _read_part(store: Store, key: str, extra: tuple[str, ...] = ()) -> Any:
     got = with_retries(lambda: store.get(key), what=f"read {key}")
     if got is None:
         raise TokenizeFailed(f"s3://{store.bucket}/{key} disappeared")
     pf = pq.ParquetFile(io.BytesIO(got[0]))
-    cols = [c for c in READ_COLUMNS if c in pf.schema_arrow.names]
+    cols = [c for c in (*READ_COLUMNS, *extra) if c in pf.schema_arrow.names]
     return pf.read(columns=cols)
 
 
@@ -288,6 +306,8 @@ def tokenize_part(store: Store, layout: DatasetLayout, chunk: int, ct: TrainingR
     filters: list[RowFilter] = []
     if split is not None and split.active:
         filters.append(lambda row: DROP_HELDOUT if split.holds(row["id"]) else None)
+    if s.answers == ANSWERS_ORIGINAL:  # every sample of a prompt carries the same original answers: train them once
+        filters.append(lambda row: DROP_OTHER_SAMPLE if row.get("sample") else None)
     out, conversations, stats = tokenize_table(table, ct, row_filters=filters, quality_filter=quality,
                                                extra_columns=SIGNAL_COLUMNS if quality is not None else ())
     out = with_labels(out, labels_by_unit(table, s.enable_thinking), s.enable_thinking)
@@ -317,7 +337,7 @@ def run_assignment(client: Any, assignment: dict[str, Any]) -> dict[str, Any]:
         def fetch(c: int) -> Any:
             if with_retries(lambda: store.head(layout.tokenized_stats_key(c)), what="head part") is not None:
                 return None
-            return _read_part(store, layout.part_key(c))
+            return _read_part(store, layout.part_key(c), ORIGINAL_COLUMNS if settings.answers == ANSWERS_ORIGINAL else ())
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-fetch") as pool:
             chunks = list(job["parts"])
@@ -346,7 +366,7 @@ DEFAULT_MIN_KEPT_SHARE: float = TOKENIZE_PARAM_SCHEMAS["min_kept_share"]["defaul
 _SUM_KEYS = ("rows_in", "rows_out", "tokens", "loss_tokens", "truncated_to_max_length", "trained_turns",
              "rows_with_engine_ids", "rows_without_engine_ids", "unverified", "prompt_template_differs",
              "ids_not_canonical")
-_COUNT_KEYS = ("dropped", "conversations_by_assistant_turns", "ids_source")
+_COUNT_KEYS = ("dropped", "conversations_by_assistant_turns", "ids_source", "original_answers")
 EXAMPLES_IN_REPORT = 100
 
 
@@ -362,7 +382,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     profiles: dict[str, dict[str, Any]] = {}
     counts: dict[str, dict[str, int]] = {k: {} for k in _COUNT_KEYS}
     examples: dict[str, list[str]] = {"unverified_examples": [], "prompt_template_differs_examples": []}
-    max_tokens = max_turn = 0
+    max_tokens = max_turn = defect_changed = 0
     missing_stats = []
     breakdown: dict[str, Any] = {}
     kept_mix, mix_parts = mixreport.MixTally(), 0
@@ -381,6 +401,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         for name, target_list in examples.items():
             room = EXAMPLES_IN_REPORT - len(target_list)
             target_list.extend((st.get(name) or [])[:max(0, room)])
+        defect_changed += int(st.get("defect_rows_changed", 0))
         max_tokens = max(max_tokens, int(st.get("max_tokens", 0)))
         max_turn = max(max_turn, int(st.get("max_loss_tokens_per_turn", 0)))
         _add_profiles(profiles, st.get("profiles") or {})
@@ -399,6 +420,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         "format": REPORT_FORMAT,
         "output_uri": layout.uri,
         "tokenization": layout.tokenization or DEFAULT_TOKENIZATION,
+        "answers": pinned.get("answers", "regenerated"),
         "status": "complete" if not missing and not missing_stats else "incomplete",
         "settings": dataset.get("settings"),
         "provenance": pinned.get("provenance"),
@@ -414,6 +436,7 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         **sorted_breakdown(breakdown),
         "heldout": split_summary(heldout_split, manifest),
         "ids_source": dict(sorted(counts["ids_source"].items())),
+        "original_answers": dict(sorted(counts["original_answers"].items())),
         **examples,
         "tokens_per_row_mean": round(total["tokens"] / rows_out, 1) if rows_out else 0.0,
         "tokens_per_row_max": max_tokens,
@@ -432,6 +455,8 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
         "card_key": layout.dataset_card_key,
         "report_key": layout.tokenized_report_key,
     }
+    if pinned.get("defect"):  # a planted defect (dev/data_defects.py): what it is and how many rows it changed
+        report["defect"] = {**pinned["defect"], "rows_changed": defect_changed}
     before = ((_get_json(store, layout.report_key) or {}).get("mix") or {}).get("counts")
     report["mix"] = {**mixreport.mix_report(kept_mix.to_counts(), target_mix, before=before,
                                             basis="completions kept by tokenize"), "parts_counted": mix_parts}
@@ -467,13 +492,17 @@ def report_markdown(r: dict[str, Any]) -> str:
         f"max_length {s.get('max_length')}, train_turns `{s.get('train_turns')}`, loss_on_reasoning "
         f"{s.get('loss_on_reasoning')}, drop_truncated {s.get('drop_truncated')}, train_eot_newline "
         f"{s.get('train_eot_newline')}, keep_unverified {s.get('keep_unverified')}.", "",
-        "One training row per regenerated assistant turn; loss only on the tokens the model generated.", "",
+        *answers_lines(r), "",
         "| figure | value |", "|---|---:|",
         f"| completions rows in | {r['rows_in']:,} |",
-        f"| ... with the engine's token ids / without | {r['rows_with_engine_ids']:,} / {r['rows_without_engine_ids']:,} |",
+        *([] if r.get("answers") == ANSWERS_ORIGINAL else [
+            f"| ... with the engine's token ids / without | {r['rows_with_engine_ids']:,} / "
+            f"{r['rows_without_engine_ids']:,} |"]),
         f"| training rows out | {r['rows_out']:,} |",
         f"| ... ids from the engine | {src.get('engine', 0):,} |",
         f"| ... re-encoded and checked against the engine's counts | {src.get('retokenized', 0):,} |",
+        *([f"| ... original answers, encoded from their text (not token-exact) | {src['original']:,} |"]
+          if "original" in src else []),
         *(f"| dropped: {k} | {v:,} |" for k, v in r["dropped_by_reason"].items()),
         f"| re-encoded turns whose counts differ from the engine's | {r['unverified']:,} |",
         f"| engine prompts that differ from this tokenizer + template | {r['prompt_template_differs']:,} |",
@@ -513,6 +542,28 @@ def report_markdown(r: dict[str, Any]) -> str:
         lines += ["", f"Mix: {r['parts_tokenized'] - mix.get('parts_counted', 0)} part(s) were tokenized before the "
                   "mix was recorded and are not in it."]
     return "\n".join(lines) + "\n" + mixreport.markdown(mix, "mix after filters")
+
+
+def answers_lines(r: dict[str, Any]) -> list[str]:
+    """What the rows train, for report.md: the regenerated answers, the input's original ones, or a planted defect."""
+    lines = ["One training row per regenerated assistant turn; loss only on the tokens the model generated."]
+    if r.get("answers") == ANSWERS_ORIGINAL:
+        notes = r.get("original_answers") or {}
+        lines = [
+            "**answers: original**: the input's own answers (`original_messages`) at the regenerated turns' places, "
+            "as a user who did not regenerate would train on them; loss on the answers' tokens. **Not token-exact**: "
+            "no engine ids, the text encoded with this tokenizer and chat template in each row's thinking mode. "
+            "Quality flags of the regenerated answers were not applied (only the prompt's: near_duplicate).", "",
+            f"Thinking-on rows whose original answer had no reasoning (the template's empty think block is trained, "
+            f"as SpecForge trains it on the raw data): {notes.get('thinking_on_without_reasoning', 0):,}; "
+            f"thinking-off rows whose original reasoning was left out: {notes.get('thinking_off_reasoning_left_out', 0):,}.",
+        ]
+    defect = r.get("defect")
+    if defect:
+        lines = [f"**PLANTED DEFECT `{defect.get('name')}`** (dev tooling, for the data-sensitivity experiment; never "
+                 f"train a drafter for use on it): {defect.get('what')} Derived from tokenization "
+                 f"`{defect.get('source_tokenization')}`; rows changed: {defect.get('rows_changed', 0):,}.", "", *lines]
+    return lines
 
 
 def write_report(client: Any, dataset: dict[str, Any], min_kept_share: float = DEFAULT_MIN_KEPT_SHARE,

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_pipeline.dataset.records import unit_keys
+from dflash_pipeline.steps.validate.digest import stable_hash
 from dflash_pipeline.steps.validate.histogram import Histogram
 from dflash_pipeline.steps.validate.tally import (
     LIST_LIMIT,
@@ -32,7 +33,6 @@ from dflash_pipeline.steps.validate.tally import (
 logger = logging.getLogger(__name__)
 
 
-THINK_MARKER_RE = "</?think>"
 
 
 class IdSpool:
@@ -74,12 +74,6 @@ def to_numpy(arr: pa.ChunkedArray | pa.Array, fill: Any) -> np.ndarray:
     return pc.fill_null(arr, fill).to_numpy(zero_copy_only=False)
 
 
-def has_think_markers(col: pa.ChunkedArray) -> np.ndarray:
-    """Rows whose text holds `<think>` or `</think>`: one RE2 pass (its literal-prefix scan runs at
-    memchr speed, ~40x the plain substring kernel on long texts)."""
-    return np.array(to_numpy(pc.match_substring_regex(col, THINK_MARKER_RE), False), dtype=bool)
-
-
 def unfinished_mask(tbl: pa.Table) -> np.ndarray:
     """Rows without an error class whose finish_reason is not stop/length (never a completion)."""
     finish = pc.fill_null(tbl.column("finish_reason"), "")
@@ -111,46 +105,42 @@ class Validator:
 
     # -- coverage ------------------------------------------------------------------------------
     def add_chunk(self, planned_ids: list[str], part: pa.Table | None) -> None:
-        """One planned chunk and its part (None when the part is absent).
+        """One planned chunk and its part (None when the part is absent): its digest, folded in.
 
         Ids are unit keys (`records.unit_key`): one row per (id, sample), sample 0 being the bare id."""
+        from dflash_pipeline.steps.validate.digest import DigestContext, make_digest, missing_digest
+
+        ctx = DigestContext(plan_id="", thinking=self.thinking, recounter=self.recounter)
+        self.add_digest(missing_digest(planned_ids, 0, ctx) if part is None
+                        else make_digest(part, planned_ids, 0, "", ctx))
+
+    def add_digest(self, d: Any) -> None:
+        """One chunk's digest (digest.py): its coverage lists, then its rows' checks."""
         t = self.t
-        t.prompts += len(planned_ids)
-        if part is None:
-            t.missing += len(planned_ids)
-            self.missing.add(planned_ids)
+        meta = d.meta
+        t.prompts += int(meta["planned"])
+        lacking = meta["missing"]
+        if meta.get("absent"):
+            t.missing += len(lacking)
+            self.missing.add(lacking)
             return
         t.parts_present += 1
-        planned = set(planned_ids)
-        present: set[str] = set()
-        keep: list[int] = []
-        dups: list[str] = []
-        foreign: list[str] = []
-        ids = unit_keys(part.column("id").to_pylist(),
-                        part.column("sample").to_pylist() if "sample" in part.column_names else None)
-        for i, pid in enumerate(ids):
-            pid = "<null>" if pid is None else pid
-            if pid in present:
-                dups.append(pid)
-                continue
-            present.add(pid)
-            if pid not in planned:
-                foreign.append(pid)
-                continue
-            keep.append(i)
-        if dups:
-            t.duplicates += len(dups)
-            self.duplicates.add(dups)
-        if foreign:
-            self._foreign.add(foreign)
-        lacking = [pid for pid in planned_ids if pid not in present]
+        if meta["duplicates"]:
+            t.duplicates += len(meta["duplicates"])
+            self.duplicates.add(meta["duplicates"])
+        if meta["foreign"]:
+            self._foreign.add(meta["foreign"])
         if lacking:
             t.missing += len(lacking)
             self.missing.add(lacking)
-        valid = part if len(keep) == len(ids) else part.take(pa.array(keep, type=pa.int64()))
-        self._valid_hashes.append(np.fromiter((hash(ids[i]) for i in keep), dtype=np.int64, count=len(keep)))
-        if valid.num_rows:
-            self._tally_rows(valid)
+        tbl = d.table
+        self._valid_hashes.append(to_numpy(tbl.column("d_key_hash"), 0).astype(np.int64))
+        if tbl.num_rows:
+            self._tally_rows(tbl)
+            rc = meta.get("recount")
+            if self.t.recount is not None and rc:
+                self.t.recount.rows_encoded_alone += int(rc.get("rows_encoded_alone", 0))
+                self.t.recount.seconds += float(rc.get("recount_seconds", 0.0))
 
     def finish(self) -> Tally:
         """Sort rows whose id was not planned in their part's chunk: a copy of a row kept elsewhere is
@@ -160,7 +150,7 @@ class Validator:
             batch: list[str] = []
 
             def flush() -> None:
-                h = np.fromiter((hash(p) for p in batch), dtype=np.int64, count=len(batch))
+                h = stable_hash(batch)
                 pos = np.minimum(np.searchsorted(valid, h), max(len(valid) - 1, 0))
                 is_dup = (valid[pos] == h) if len(valid) else np.zeros(len(batch), dtype=bool)
                 dup_ids = [p for p, d in zip(batch, is_dup) if d]
@@ -238,10 +228,8 @@ class Validator:
             return k
 
         finish = np.asarray(pc.fill_null(tbl.column("finish_reason"), "null").to_pylist(), dtype=object)
-        content = pc.fill_null(tbl.column("content"), "")
-        reasoning = pc.fill_null(tbl.column("reasoning"), "")
-        empty = to_numpy(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(content)), 0), True)
-        has_reasoning = to_numpy(pc.greater(pc.binary_length(reasoning), 0), False)
+        empty = to_numpy(tbl.column("d_empty"), True).astype(bool)
+        has_reasoning = to_numpy(tbl.column("d_has_reasoning"), False).astype(bool)
         truncated = finish == "length"
 
         t.truncated += int(truncated.sum())
@@ -260,9 +248,10 @@ class Validator:
         for name in set(servers[missing].tolist()):
             t.per_server[name].reasoning_missing += int(((servers == name) & missing).sum())
         t.reasoning_unexpected += flag("reasoning_unexpected", ~thinks & has_reasoning)
-        t.think_markers_in_content += flag("think_markers_in_content", has_think_markers(content))
+        t.think_markers_in_content += flag("think_markers_in_content", to_numpy(tbl.column("d_markers_content"), False))
         if has_reasoning.any():
-            t.think_markers_in_reasoning += flag("think_markers_in_reasoning", has_think_markers(reasoning))
+            t.think_markers_in_reasoning += flag("think_markers_in_reasoning",
+                                                 to_numpy(tbl.column("d_markers_reasoning"), False))
 
         pt_col, ct_col, rt_col = (tbl.column(c) for c in ("prompt_tokens", "completion_tokens", "reasoning_tokens"))
         pt, ct, rt = to_numpy(pt_col, 0).astype(np.int64), to_numpy(ct_col, 0).astype(np.int64), to_numpy(rt_col, 0).astype(np.int64)
@@ -293,7 +282,7 @@ class Validator:
             st.output_tokens += int(ct[mask].sum())
             st.latency_sum += float(latency[mask].sum())
 
-        if self.recounter is not None:
+        if self.t.recount is not None and "rc_training" in tbl.column_names:
             thinking_n, answer_n = self._recount(tbl, ct, ct_ok, has_reasoning, id_list, thinks)
             t.think_vs_answer.add(thinking_n, answer_n)
         else:
@@ -325,23 +314,20 @@ class Validator:
         """Completions with and without the engine's token ids (what tokenization builds rows from), and
         turns whose stored generated ids disagree with the server's own `completion_tokens`."""
         t = self.t
-        if "output_token_ids" not in tbl.column_names:
-            t.rows_without_engine_ids += tbl.num_rows
-            return
-        col = tbl.column("output_token_ids")
+        col = tbl.column("d_ids_lens")
         has = to_numpy(pc.is_valid(col), False)
         t.rows_with_engine_ids += int(has.sum())
         t.rows_without_engine_ids += int((~has).sum())
         if not has.any() or "turns" not in tbl.column_names:
             return
         sub = tbl.filter(pa.array(has))
-        ids, turns = sub.column("output_token_ids"), sub.column("turns")
-        same_shape = to_numpy(pc.equal(pc.list_value_length(ids), pc.list_value_length(turns)), False)
+        lens, turns = sub.column("d_ids_lens"), sub.column("turns")
+        same_shape = to_numpy(pc.equal(pc.list_value_length(lens), pc.list_value_length(turns)), False)
         if not same_shape.all():
             t.engine_ids_disagree += flag_ids(t, "engine_ids_disagree_with_usage", sub, ~same_shape)
             sub = sub.filter(pa.array(same_shape))
-            ids, turns = sub.column("output_token_ids"), sub.column("turns")
-        got = to_numpy(pc.list_value_length(pc.list_flatten(ids)), -1).astype(np.int64)
+            lens, turns = sub.column("d_ids_lens"), sub.column("turns")
+        got = to_numpy(pc.list_flatten(lens), -1).astype(np.int64)
         want = to_numpy(pc.struct_field(pc.list_flatten(turns), "completion_tokens"), -2).astype(np.int64)
         bad_turn = (got >= 0) & (got != want)
         if bad_turn.any():
@@ -352,34 +338,23 @@ class Validator:
         self, tbl: pa.Table, ct: np.ndarray, ct_ok: np.ndarray, has_reasoning: np.ndarray, id_list: Any,
         thinks: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Fold the digest's recount columns (digest.py computed them with the training tokenizer)."""
         rc = self.t.recount
         assert rc is not None
-        started = time.perf_counter()
-        messages = tbl.column("messages").to_pylist()
-        if "conversation" in tbl.column_names:
-            # Render what a trainer reads: the regenerated conversation up to its last turn, whose
-            # own tokens are compared with that turn's server count.
-            for i, conv in enumerate(tbl.column("conversation").to_pylist()):
-                if conv:
-                    messages[i] = [_template_message(m) for m in conv[:-1]]
         if "turns" in tbl.column_names:
             last_ct = [(ts[-1].get("completion_tokens") if ts else None) for ts in tbl.column("turns").to_pylist()]
             has_last = np.array([v is not None for v in last_ct], dtype=bool)
             ct = np.where(has_last, np.array([v or 0 for v in last_ct], dtype=np.int64), ct)
-        res = self.recounter.recount(  # each row rendered in its own thinking mode (a run may mix them)
-            messages, tbl.column("reasoning").to_pylist(), tbl.column("content").to_pylist(),
-            thinking=None if thinks is None else thinks.tolist(),
-        )
-        rc.seconds += time.perf_counter() - started
-        out = res.output
+        reasoning_n = to_numpy(tbl.column("rc_reasoning"), 0).astype(np.int64)
+        content_n = to_numpy(tbl.column("rc_content"), 0).astype(np.int64)
+        out = reasoning_n + content_n
         rc.rows += len(out)
         rc.compared += int(ct_ok.sum())
         rc.output_tokens += int(out.sum())
         rc.output_tokens_server += int(ct[ct_ok].sum())
-        rc.reasoning_tokens += int(res.reasoning.sum())
-        rc.content_tokens += int(res.content.sum())
-        rc.training.add(res.training)
-        rc.rows_encoded_alone += res.rows_encoded_alone
+        rc.reasoning_tokens += int(reasoning_n.sum())
+        rc.content_tokens += int(content_n.sum())
+        rc.training.add(to_numpy(tbl.column("rc_training"), 0).astype(np.int64))
         delta = ct - out
         bad = ct_ok & ((delta < 0) | (delta > self.recounter.allowed_overhead(has_reasoning)))
         k = int(bad.sum())
@@ -389,7 +364,18 @@ class Validator:
             if len(rc.mismatch_ids) < SAMPLE_LIMIT:
                 pids = id_list()
                 rc.mismatch_ids.extend(pids[i] for i in np.flatnonzero(bad)[: SAMPLE_LIMIT - len(rc.mismatch_ids)])
-        return res.reasoning, res.content
+        return reasoning_n, content_n
+
+
+def template_messages(tbl: pa.Table) -> list[list[dict[str, Any]] | None]:
+    """What a trainer renders before the last answer: the regenerated conversation up to its last turn
+    when the part has it (its own tokens are compared with that turn's server count), else `messages`."""
+    messages = tbl.column("messages").to_pylist() if "messages" in tbl.column_names else [None] * tbl.num_rows
+    if "conversation" in tbl.column_names:
+        for i, conv in enumerate(tbl.column("conversation").to_pylist()):
+            if conv:
+                messages[i] = [_template_message(m) for m in conv[:-1]]
+    return messages
 
 
 def _template_message(m: dict[str, Any]) -> dict[str, Any]:

@@ -89,9 +89,15 @@ def _int_values(table: pa.Table, name: str) -> np.ndarray:
     return np.asarray(pc.fill_null(table.column(name).cast(pa.int64()), -1).to_numpy(), dtype=np.int64)
 
 
+def to_int64(col: Any) -> np.ndarray:
+    return np.asarray(pc.fill_null(col, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
 def user_turns(table: pa.Table) -> np.ndarray:
     """User messages per row's conversation (at least 1; -1 when the row has no messages column)."""
     n = table.num_rows
+    if "d_user_turns" in table.column_names:  # a part's digest carries them (digest.py)
+        return to_int64(table.column("d_user_turns"))
     if "messages" not in table.column_names or n == 0:
         return np.full(n, -1, dtype=np.int64)
     msgs = table.column("messages").combine_chunks()

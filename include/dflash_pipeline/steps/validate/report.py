@@ -29,6 +29,7 @@ class Thresholds:
     max_truncation_rate: float = 0.10
     min_coverage: float = 1.0
     max_missing_reasoning_rate: float = 0.005
+    max_loop_rate: float | None = None
 
 
 
