@@ -50,7 +50,7 @@ from dflash_pipeline.dev.stack.vllm_server import (
 
 ORACLE_K = 3
 START_TIMEOUT_S = 540.0
-"""Spawn to /health 200: 38-80 s on an idle runner, 200-370 s seen when other jobs load the 2 cores."""
+"""Spawn to /health 200: 38-80 s on an idle runner, 200-412 s seen when other jobs load the 2 cores."""
 
 
 @dataclass(frozen=True)
