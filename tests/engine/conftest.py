@@ -16,6 +16,13 @@ Fixtures:
   tiny checkpoint as its own draft model (k 3). ``vllm_server`` is the no-speculation baseline.
   Each is started once, by the first test that asks for it, and shared by every later one;
   ``speculative`` on the endpoint holds the speculative config (None for the plain servers).
+* ``cycle_checkpoint`` (session): a second designed target whose greedy text is a known cycle of
+  words (``dev/engine/cycle_qwen.py``, 3 layers); ``dflash_oracle`` (session): a DFlash drafter for
+  it in SpecForge's format that drafts exactly that text, except after a word of the cycle's second
+  half (``oracle_wrong_tokens``), where its first draft misses (``dev/engine/dflash_drafter.py``).
+* ``vllm_dflash_server`` (session): the cycle target served through vLLM's DFlash path with that
+  drafter (k 3, ``--per-request-spec-decode-metrics summary``): every verify step's acceptance is
+  known in advance.
 
 Skips when ``.venv-vllm`` is absent, unless ``DFLASH_REQUIRE_VLLM=1`` (set by .ci/run): then it fails.
 """
@@ -30,13 +37,20 @@ from typing import Any
 
 import pytest
 
+from dflash_pipeline.dev.engine import cycle_qwen
+from dflash_pipeline.dev.engine.dflash_drafter import build_oracle
 from dflash_pipeline.dev.stack.vllm_server import (
     VllmServer,
     VllmSettings,
+    dflash_spec,
     draft_model_spec,
     ngram_spec,
     vllm_unavailable,
 )
+
+ORACLE_K = 3
+START_TIMEOUT_S = 540.0
+"""Spawn to /health 200: 38-80 s on an idle runner, 200-412 s seen when other jobs load the 2 cores."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +88,7 @@ def tiny_qwen_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPath
 def _serve(checkpoint: Path, settings: VllmSettings, workdir: Path) -> Iterator[VllmEndpoint]:
     _require_vllm()
     server = VllmServer(checkpoint, settings, workdir=workdir)
-    server.start()
+    server.start(timeout_s=START_TIMEOUT_S)
     assert server.log_path is not None and server.started_in_s is not None
     try:
         spec = None if settings.speculative_config is None else dict(settings.speculative_config)
@@ -111,3 +125,32 @@ def vllm_draft_model_server(tiny_qwen_checkpoint: Path,
     """A real server speculating with the tiny checkpoint as its own draft model (see the module docstring)."""
     yield from _serve(tiny_qwen_checkpoint, VllmSettings(speculative_config=draft_model_spec(tiny_qwen_checkpoint)),
                       tmp_path_factory.mktemp("vllm-draft"))
+
+
+@pytest.fixture(scope="session")
+def cycle_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cycle target (see the module docstring)."""
+    return cycle_qwen.build_checkpoint(tmp_path_factory.mktemp("cycle-qwen") / "ckpt", tokenizer_source=qwen_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def oracle_wrong_tokens(cycle_checkpoint: Path) -> tuple[int, ...]:
+    """The words after which the oracle's first draft misses: the cycle's second half."""
+    words = cycle_qwen.word_ids(cycle_checkpoint)
+    return tuple(words[len(words) // 2:])
+
+
+@pytest.fixture(scope="session")
+def dflash_oracle(cycle_checkpoint: Path, oracle_wrong_tokens: tuple[int, ...],
+                  tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The designed DFlash drafter of the cycle target (see the module docstring)."""
+    return build_oracle(cycle_checkpoint, tmp_path_factory.mktemp("dflash-oracle") / "drafter", k=ORACLE_K,
+                        wrong_tokens=oracle_wrong_tokens)
+
+
+@pytest.fixture(scope="session")
+def vllm_dflash_server(cycle_checkpoint: Path, dflash_oracle: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """The cycle target speculating with vLLM's DFlash path and the oracle drafter (see the module docstring)."""
+    settings = VllmSettings(served_model_name=cycle_qwen.MODEL_NAME, speculative_config=dflash_spec(dflash_oracle, ORACLE_K))
+    yield from _serve(cycle_checkpoint, settings, tmp_path_factory.mktemp("vllm-dflash"))

@@ -1,7 +1,8 @@
 """vLLM 0.32's speculative-decoding statistics on real servers (CPU build, the tiny designed Qwen3; conftest.py).
 
-Two speculating servers (vLLM's n-gram drafter, and the tiny checkpoint as its own draft model, both
-k = 3 with ``--per-request-spec-decode-metrics summary``) and the plain server as the baseline. What
+Three speculating servers (vLLM's n-gram drafter, the tiny checkpoint as its own draft model, and the
+cycle target with a DFlash drafter through vLLM's DFlash path; all k = 3 with
+``--per-request-spec-decode-metrics summary``) and the plain server as the baseline. What
 docs/engines.md ("vLLM 0.32 speculative decoding, as seen on a real server") states, each checked here:
 where ``metrics.speculative_decoding`` is (and is not), what its fields are, and that the per-request
 counters summed over concurrent requests equal the ``/metrics`` delta. Also the CPU build's
@@ -22,7 +23,7 @@ import requests
 from dflash_pipeline.dev.stack.vllm_server import (
     CPU_FIX_DIR,
     SpecCounters,
-    spec_counters,
+    settled_spec_counters,
     vllm_unavailable,
     vllm_venv,
 )
@@ -36,7 +37,7 @@ PER_STEP_KEYS = {"per_step_accepted", "per_step_drafted"}
 TIMING_KEYS = {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second"}
 
 
-@pytest.fixture(params=["ngram", "draft_model"])
+@pytest.fixture(params=["ngram", "draft_model", "dflash"])
 def spec_server(request: pytest.FixtureRequest) -> Any:
     """Each speculating server in turn (session fixtures: started once)."""
     server = request.getfixturevalue(f"vllm_{request.param}_server")
@@ -69,16 +70,7 @@ def _stream(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _counters(server: Any) -> SpecCounters:
     """/metrics's spec counters once two reads agree (they are updated as the response is sent)."""
-    import time
-
-    last = spec_counters(server.base_url)
-    for _ in range(25):
-        time.sleep(0.2)
-        now = spec_counters(server.base_url)
-        if now == last:
-            return now
-        last = now
-    return last
+    return settled_spec_counters(server.base_url)
 
 
 def _check_fields(spec: dict[str, Any], k: int) -> None:

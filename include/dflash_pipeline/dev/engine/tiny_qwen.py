@@ -68,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_pipeline.dev.engine.safetensors_np import write_safetensors
+
 logger = logging.getLogger(__name__)
 
 ENDOFTEXT, IM_START, IM_END, THINK, THINK_END = 151643, 151644, 151645, 151667, 151668
@@ -265,28 +267,6 @@ def tensors(d: Design, seed: int = 0) -> dict[str, np.ndarray]:
     out["model.norm.weight"] = np.ones(HIDDEN, np.float32)
     out["lm_head.weight"] = lm_head
     return out
-
-
-_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64"}
-
-
-def write_safetensors(path: Path, named: Mapping[str, np.ndarray]) -> None:
-    """The safetensors format: u64 LE header size, JSON header (padded to 8 bytes), raw LE buffers."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, arr in named.items():
-        size = arr.nbytes
-        header[name] = {"dtype": _DTYPES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for arr in named.values():
-            f.write(np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
-    tmp.replace(path)
 
 
 def config() -> dict[str, Any]:

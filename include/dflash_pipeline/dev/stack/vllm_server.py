@@ -14,7 +14,8 @@ What the command line carries and why:
   at start), ``--max-model-len``, ``--max-num-seqs``, ``--kv-cache-memory-bytes`` (0.32's flag;
   ``VLLM_CPU_KVCACHE_SPACE`` in GiB is its legacy form), loopback host, a free port,
   ``--served-model-name``.
-* Speculating (``VllmSettings.speculative_config``: :func:`ngram_spec`, :func:`draft_model_spec`):
+* Speculating (``VllmSettings.speculative_config``: :func:`ngram_spec`, :func:`draft_model_spec`,
+  :func:`dflash_spec`, :func:`eagle3_spec`; a DFlash drafter is checked against the target first):
   ``--speculative-config <json>`` and ``--per-request-spec-decode-metrics summary`` (0.32's flag,
   ``none|summary|detailed``; vLLM refuses it without a speculative config), so each response carries
   ``metrics.speculative_decoding``. Such a server also gets ``PYTHONPATH=dev/engine/vllm_cpu_fix``,
@@ -89,6 +90,29 @@ def draft_model_spec(draft: Path, k: int = 3) -> dict[str, Any]:
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
 
 
+def dflash_spec(drafter: Path, k: int | None = None) -> dict[str, Any]:
+    """A DFlash drafter (`drafter`: a directory in SpecForge's format, ``dev/engine/dflash_drafter.py``):
+    vLLM 0.32's ``method: dflash`` drafts `k` tokens in one pass (a bonus query and k mask queries,
+    ``DFlashProposer``). `k` defaults to the drafter's ``block_size`` - 1, what it was trained to
+    draft; more is refused (vLLM would query positions the drafter never learned). vLLM reads
+    ``dflash_config.mask_token_id`` and ``target_layer_ids`` from the drafter's own config.json."""
+    from dflash_pipeline.dev.engine.dflash_drafter import block_size
+
+    limit = block_size(Path(drafter)) - 1
+    k = limit if k is None else k
+    if not 1 <= k <= limit:
+        raise ValueError(f"{drafter}: k={k} outside 1..{limit} (the drafter's block_size {limit + 1} minus the bonus token)")
+    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
+
+
+def eagle3_spec(drafter: Path, k: int = 3) -> dict[str, Any]:
+    """An EAGLE-3 drafter (`drafter`: a directory as SpecForge or speculators write it, e.g.
+    ``LlamaForCausalLMEagle3``): vLLM 0.32's ``method: eagle3`` runs it `k` times in a chain, each
+    step reading the target's aux hidden states (``eagle_aux_hidden_state_layer_ids`` in the
+    drafter's config, else the model's defaults)."""
+    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+
+
 @dataclass(frozen=True)
 class SpecCounters:
     """vLLM's `/metrics` speculative-decoding counters (summed over engines): verify steps with a
@@ -122,6 +146,19 @@ def spec_counters(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
     r = requests.get(f"{base_url}/metrics", timeout=timeout_s)
     r.raise_for_status()
     return parse_spec_counters(r.text)
+
+
+def settled_spec_counters(base_url: str, reads: int = 25, interval_s: float = 0.2) -> SpecCounters:
+    """The spec-decode counters once two reads `interval_s` apart agree (vLLM updates them as a
+    response is sent, so a read right after one may miss it), or the last of `reads` reads."""
+    last = spec_counters(base_url)
+    for _ in range(reads):
+        time.sleep(interval_s)
+        now = spec_counters(base_url)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 @dataclass(frozen=True)
@@ -214,6 +251,7 @@ class VllmServer:
         why = vllm_unavailable(self.venv)
         if why:
             raise StackError(why)
+        self._check_drafter()
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="dflash-vllm-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -239,6 +277,18 @@ class VllmServer:
         log.info("vllm serve %s at %s (healthy in %.1f s, log %s)", self.checkpoint, self.base_url,
                  self.started_in_s, self.log_path)
         return self
+
+    def _check_drafter(self) -> None:
+        """Refuse a DFlash drafter vLLM cannot serve for this target, naming what is wrong (vLLM's own
+        errors come a minute later, from deep inside the engine)."""
+        spec = self.settings.speculative_config
+        if spec is None or spec.get("method") != "dflash":
+            return
+        from dflash_pipeline.dev.engine.dflash_drafter import check_drafter
+
+        problems = check_drafter(Path(spec["model"]), self.checkpoint)
+        if problems:
+            raise StackError(f"DFlash drafter {spec['model']} cannot serve {self.checkpoint}: " + "; ".join(problems))
 
     def stop(self) -> None:
         """Stop the server and its engine processes (SIGTERM to the group, then SIGKILL)."""
