@@ -99,7 +99,11 @@ def dflash_generate() -> None:
     # near-duplicates and any digest itself when their tasks failed.
     digests = digest_parts.expand(shard=digest_shards(planned))
     validate = validate_and_count()
-    generate.expand(server=servers) >> digests >> validate
+    generated = generate.expand(server=servers)
+    generated >> digests >> validate
+    # Directly too: a backfill that clears only the failed generate tasks and validation (digests and
+    # near-duplicates stay done) must still validate after generation, not beside it.
+    generated >> validate
     near_duplicates(planned) >> validate
 
 

@@ -59,7 +59,7 @@ def test_shape_plan_preflight_mapped_generate_validate(dagbag) -> None:
     assert dag.get_task("near_duplicates").upstream_task_ids == {"plan"}
     assert dag.get_task("digest_parts").upstream_task_ids == {"generate", "digest_shards"}
     assert dag.get_task("digest_parts").trigger_rule == "all_done"
-    assert dag.get_task("validate_and_count").upstream_task_ids == {"digest_parts", "near_duplicates"}
+    assert dag.get_task("validate_and_count").upstream_task_ids == {"generate", "digest_parts", "near_duplicates"}
     assert dag.get_task("validate_and_count").trigger_rule == "all_done"
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 
