@@ -181,7 +181,8 @@ def generate(
                 store, layout.progress_key(run_id, settings.worker), run_id=run_id, try_number=try_number,
                 every_s=settings.progress_every_s, n_servers=len(cfg.servers),
             )
-        watcher = part_watcher(cfg, params, store, layout, manifest, run_id, settings.worker, server=spec.name)
+        watcher = part_watcher(cfg, params, store, layout, manifest, run_id, settings.worker, server=spec.name,
+                               try_number=try_number)
         worker = Worker(store, layout, manifest, settings, on_progress=on_progress,
                         on_part_committed=watcher.committed)
         watcher.on_stop = lambda message: worker.request_stop()
@@ -195,7 +196,7 @@ def generate(
 
 
 def part_watcher(cfg: RunConfig, params: dict[str, Any], store: Any, layout: DatasetLayout, manifest: dict[str, Any],
-                 run_id: str, worker: str, server: str | None = None) -> Any:
+                 run_id: str, worker: str, server: str | None = None, try_number: int = 1) -> Any:
     """The generate task's on-part-committed hook: digests, live quality, fail fast (steps/validate/partwatch.py)."""
     from dflash_pipeline.config.quality import QualitySettings
     from dflash_pipeline.steps.quality.live import limits_from
@@ -206,7 +207,7 @@ def part_watcher(cfg: RunConfig, params: dict[str, Any], store: Any, layout: Dat
     thinking = bool(manifest["pinned"]["sampling"]["enable_thinking"])
     recounter = load_recounter_for(store.client, cfg.tokenizer, thinking)
     return PartWatcher(store, layout, digest_context(manifest, quality, recounter, cfg.tokenizer), run_id=run_id,
-                       worker=worker, fail_fast=cfg.fail_fast, server=server,
+                       worker=worker, fail_fast=cfg.fail_fast, server=server, try_number=try_number,
                        limits=limits_from(cfg.max_truncation_rate, cfg.max_missing_reasoning_rate, cfg.max_loop_rate))
 
 

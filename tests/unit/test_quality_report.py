@@ -143,7 +143,7 @@ def test_merged_digests_equal_the_batch_pass_after_a_worker_killed_between_part_
     watcher.committed(0, get(s3_client, bucket, layout.part_key(0)))  # part 1: killed before its digest
     watcher.close(60)
     assert watcher.digests_written == 1
-    live = json.loads(get(s3_client, bucket, layout.live_quality_key("r1", "w0000")))
+    live = json.loads(get(s3_client, bucket, layout.live_quality_key("r1", "w0000-try1")))
     assert sum(g["completions"] for g in live["groups"]) == 6
 
     merged = run_validation(s3_client, uri, thresholds=LAX, plots=False, quality=settings)
@@ -191,3 +191,29 @@ def test_a_digest_of_another_part_is_not_used(s3_client: Any, bucket: str) -> No
     assert second["digests"] == {"stored": 1, "computed": 1, "absent_parts": 0,
                                  "computed_because": {"digest of another part or settings": 1}}
     assert second["quality"]["flags"]["refusal"]["rows"] == first["quality"]["flags"]["refusal"]["rows"] - 1
+
+
+def test_a_retried_task_keeps_the_earlier_tries_live_figures(s3_client: Any, bucket: str) -> None:
+    """Issue 40: try 1 of a server's task commits part 0 and is killed; try 2 commits part 1. The run's live
+    figures cover both parts (each try writes its own figures: a retry starting from zero must not overwrite
+    the parts only the earlier try committed)."""
+    from dflash_pipeline.dataset.layout import DatasetLayout
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.monitor.livequality import merge_groups
+    from dflash_pipeline.steps.quality.live import limits_from
+    from dflash_pipeline.steps.validate.partwatch import PartWatcher
+    from dflash_pipeline.steps.validate.run import digest_context, read_manifest
+
+    rows = dataset_rows()
+    planned = [[r["id"] for r in rows[:6]], [r["id"] for r in rows[6:]]]
+    uri = write_dataset(s3_client, bucket, "ds/retry-live", planned, {0: rows[:6], 1: rows[6:]})
+    layout = DatasetLayout.from_uri(uri)
+    store = Store(s3_client, bucket)
+    ctx = digest_context(read_manifest(store, layout), QualitySettings(languages=("en",)), None, None)
+    for try_number, part in ((1, 0), (2, 1)):
+        watcher = PartWatcher(store, layout, ctx, run_id="r1", worker="w0000", try_number=try_number,
+                              limits=limits_from(0.1, 0.005, None), fail_fast=False)
+        watcher.committed(part, get(s3_client, bucket, layout.part_key(part)))
+        watcher.close(60)
+    docs = PartWatcher(store, layout, ctx, run_id="r1", worker="w0001", limits=[], fail_fast=False).fleet_docs()
+    assert sum(g["completions"] for g in merge_groups(docs)) == len(rows)

@@ -1,5 +1,5 @@
 """The live quality figures of a run, as the progress page shows them (issue 40): the generate tasks' objects
-`runs/<run_id>/quality/<worker>.json` (written by steps/validate/partwatch.py) summed per (server, thinking
+`runs/<run_id>/quality/<worker>-try<N>.json` (written by steps/validate/partwatch.py) summed per (server, thinking
 mode), and each rate with the rows it is over. steps/quality/live.py checks the same figures against the
 run's limits (fail fast)."""
 

@@ -1,5 +1,5 @@
 """Live quality during generation (issue 40): each generate task folds the digests of the parts it commits
-into figures per (server, thinking mode), publishes them under `runs/<run_id>/quality/<worker>.json`, and
+into figures per (server, thinking mode), publishes them under `runs/<run_id>/quality/<worker>-try<N>.json`, and
 checks the fleet's figures against the run's limits with a confidence bound (`verdict`), so a run whose
 thinking is cut at max_tokens or loops is stopped after a bounded number of rows, not after 26 hours.
 

@@ -5,7 +5,9 @@ Threads and ownership. The committer calls `committed(chunk, data)` right after 
 queues the bytes (a full queue drops the part: validation computes its digest) and never raises, so the
 chunk protocol is untouched. One watcher thread owns everything else: it reads the chunk's planned ids,
 makes the digest (digest.py, the same function validation uses), writes it, folds it into the task's
-LiveTally, writes `runs/<run_id>/quality/<worker>.json`, reads the other tasks' figures of this run and,
+LiveTally, writes `runs/<run_id>/quality/<worker>-try<N>.json` (one object per try: a retry's tally starts
+empty, and the parts only an earlier try committed keep their figures in that try's object; a part is
+committed once, so no part is counted twice), reads the other tasks' figures of this run and,
 with fail_fast on, asks the worker to stop (`on_stop(message)`) once a figure of the fleet is surely above
 its limit, or its own server's alone is (steps/quality/live.py: `verdicts`; a server that alone breaks a
 limit stops alone, the others carry on). A kill between a part and its digest loses only the digest: validation
@@ -44,12 +46,13 @@ class PartWatcher:
 
     def __init__(self, store: Store, layout: DatasetLayout, ctx: DigestContext, *, run_id: str, worker: str,
                  limits: Sequence[Limit], fail_fast: bool, on_stop: Callable[[str], None] | None = None,
-                 store_deadline_s: float = 60.0, server: str | None = None) -> None:
+                 store_deadline_s: float = 60.0, server: str | None = None, try_number: int = 1) -> None:
         self.store = store
         self.layout = layout
         self.ctx = ctx
         self.run_id = run_id
         self.worker = worker
+        self.try_number = try_number
         self.server = server
         self.limits = list(limits)
         self.fail_fast = fail_fast
@@ -94,7 +97,7 @@ class PartWatcher:
         self.digests_written += 1
         self.live.add(d.table)
         doc = self.live.doc(self.run_id, self.worker, time.time())
-        key = self.layout.live_quality_key(self.run_id, self.worker)
+        key = self.layout.live_quality_key(self.run_id, f"{self.worker}-try{self.try_number}")
         with_retries(lambda: self.store.put(key, json.dumps(doc).encode(), content_type="application/json"),
                      what="live quality", deadline_s=self.deadline_s)
         logger.info("digest of part %d (%d rows) in %.2fs", chunk, d.table.num_rows, time.perf_counter() - started)
