@@ -133,3 +133,28 @@ def test_dev_may_import_anything_and_lazy_imports_count() -> None:
     # A lazy import inside a function is seen too.
     f = PKG / "tasks.py"
     assert any(d.startswith(f"{ROOT}.steps.generate") for d in imports_of(f)), "tasks imports generate lazily"
+
+
+def test_config_modules_do_not_import_each_other_in_a_circle() -> None:
+    """Issue 41: mix.py and quality.py imported run.py (for ConfigError and the schema check) while run.py
+    imports them; the shared pieces live in config/schema.py, which imports no other config module."""
+    import ast
+
+    config = Path(__file__).resolve().parents[2] / "include" / "dflash_pipeline" / "config"
+    imports: dict[str, set[str]] = {}
+    for path in config.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_pipeline.config."):
+                names.add(node.module.rsplit(".", 1)[1])
+        imports[path.stem] = names
+    assert imports["schema"] == set()
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for nxt in imports.get(start, set()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(m for m in imports if m != "__init__" and reaches(m, m, {m}))
+    assert not circles, f"config modules in an import circle: {circles}"

@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dflash_pipeline.config.schema import ConfigError
+
 MIX_DIMENSIONS = ("source", "domain", "thinking", "language", "prompt_length", "completion_length", "turns")
 UNKNOWN = "unknown"
 TARGET_SUM_TOLERANCE = 0.01
@@ -76,8 +78,6 @@ def target_mix_schema(section: str) -> dict[str, Any]:
 
 def check_target_mix(value: Any) -> dict[str, dict[str, float]] | None:
     """The target as {dimension: {label: share}}, or None for none; ConfigError naming what is wrong."""
-    from dflash_pipeline.config.run import ConfigError  # run.py imports this module for the schema
-
     if value is None or value == {}:
         return None
     if not isinstance(value, Mapping):

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_pipeline.config.schema import ConfigError, check_schema as _check_schema
+
 SECTION_QUALITY = "Validation"
 """The form section of these params (config.run.SECTION_VALIDATION; a test keeps them equal)."""
 
@@ -180,8 +182,6 @@ class QualitySettings:
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "QualitySettings":
         """The quality keys of a DAG's params (other keys are ignored); bad values raise ConfigError."""
-        from dflash_pipeline.config.run import _check_schema
-
         got = {k: params[k] for k in QUALITY_PARAM_SCHEMAS if k in params}
         for name, value in got.items():
             _check_schema(name, value, QUALITY_PARAM_SCHEMAS[name])
@@ -219,8 +219,6 @@ class QualitySettings:
 
 def compile_patterns(patterns: tuple[str, ...] | list[str]) -> tuple[re.Pattern[str], ...]:
     """The refusal patterns compiled; a pattern that is not a valid regex is refused with its error."""
-    from dflash_pipeline.config.run import ConfigError
-
     out = []
     for p in patterns:
         try:
