@@ -9,6 +9,7 @@ requests the servers received minus completions in the final dataset (failed att
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import tempfile
@@ -27,6 +28,7 @@ COMMON = dict(token_time_s=0.0005, length_scale=0.05, max_running_requests=6)
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     with MotoServer(log_path=Path(tempfile.mkdtemp()) / "moto.log") as moto:

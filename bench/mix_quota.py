@@ -8,6 +8,7 @@ thinking_modes) and, over 100 salts, the worst error of a per-id hash draw and h
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 
 from dflash_pipeline.dataset.prompts import Prompt
@@ -15,6 +16,7 @@ from dflash_pipeline.steps.plan import thinking_modes
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     for n in (2000, 5000):
         prompts = [Prompt(f"p{i:06d}", [], b"", i) for i in range(n)]
         for f in (0.1, 0.3, 0.5):
