@@ -96,6 +96,9 @@ def test_mixed_run_meets_the_fraction_and_every_server_got_what_each_row_records
     assert manifest["pinned"]["input"]["thinking_fraction"] == fraction
     assert manifest["pinned"]["sampling"]["extra"] == EXTRA and manifest["pinned"]["sampling"]["ladder"] == LADDER
     assert manifest["input"]["sampling_keys"] == sorted(ROW_SAMPLING)
+    # issue 41: the report's header says the run is mixed, not "thinking on"
+    header = store.get(layout.report_md_key)[0].decode().splitlines()[2]
+    assert f"thinking mixed ({mix['share_on']:.0%} of conversations on)" in header, header
 
     rows: list[dict[str, Any]] = []
     for obj in store.list(layout.completions_prefix):

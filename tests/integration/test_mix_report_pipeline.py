@@ -94,6 +94,7 @@ def test_validation_writes_the_mix_with_the_target_side_by_side(validated: dict[
     assert languages == report["quality"]["languages"] and sum(languages.values()) == N
 
     md = s3_client.get_object(Bucket=bucket, Key=layout.report_md_key)["Body"].read().decode()
+    assert " · thinking on · " in md.splitlines()[2]
     section = md[md.index("## mix (before filters)"):]
     assert "### domain (largest gap 20.0 pp)" in section
     assert "| label | completions | share | target | gap |" in section

@@ -116,6 +116,7 @@ def build_report(
         "problems": problems,
         "model": manifest.get("model_resolved") or manifest["pinned"].get("model"),
         "thinking_enabled": bool(manifest["pinned"]["sampling"]["enable_thinking"]),
+        "thinking_share_on": ((manifest.get("input") or {}).get("thinking") or {}).get("share_on"),
         "prompts": t.prompts,
         "completions": t.completions,
         "errors": t.errors,
@@ -192,11 +193,21 @@ _MD_FIGURES = (
 )
 
 
+def thinking_words(r: dict[str, Any]) -> str:
+    """The run's thinking mode as planned: on, off, or the share of conversations on in a mixed run."""
+    share = r.get("thinking_share_on")
+    if share is not None and 0 < share < 1:
+        return f"thinking mixed ({share:.0%} of conversations on)"
+    if share is not None:
+        return "thinking on" if share == 1 else "thinking off"
+    return "thinking on" if r.get("thinking_enabled") else "thinking off"
+
+
 def report_markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# dflash-pipeline report: {r['output_uri']}",
         "",
-        f"Model: `{r['model']}` · thinking {'on' if r.get('thinking_enabled') else 'off'} · "
+        f"Model: `{r['model']}` · {thinking_words(r)} · "
         f"validated {r.get('validated_at')} · **{r.get('status', '?').upper()}**",
         "",
     ]
