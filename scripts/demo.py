@@ -86,8 +86,10 @@ def print_conversation(s3: Any, bucket: str, prefix: str, width: int = 110) -> N
             if m["role"] == "assistant":
                 t = row["turns"][k]
                 think = len((m["reasoning"] or "").split())
+                cached = ("prompt cache not reported" if t["cached_tokens"] is None
+                          else f"{t['cached_tokens']} prompt tokens cached")
                 print(f"  assistant (new, {t['completion_tokens']} tokens, {think} words of reasoning, "
-                      f"{t['cached_tokens']} prompt tokens cached): {text[:width]}")
+                      f"{cached}): {text[:width]}")
                 if k < len(old):
                     print(f"    replaces the original: {' '.join(old[k].split())[:width]}")
                 k += 1

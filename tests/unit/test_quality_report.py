@@ -217,3 +217,11 @@ def test_a_retried_task_keeps_the_earlier_tries_live_figures(s3_client: Any, buc
         watcher.close(60)
     docs = PartWatcher(store, layout, ctx, run_id="r1", worker="w0001", limits=[], fail_fast=False).fleet_docs()
     assert sum(g["completions"] for g in merge_groups(docs)) == len(rows)
+
+
+def test_the_report_table_never_prints_python_none(s3_client: Any, bucket: str) -> None:
+    """Issue 41: figures the servers did not report read as words, not `None`."""
+    r = validate(s3_client, bucket, "ds/no-none", QualitySettings(languages=("en",)))
+    assert r["cached_prompt_tokens"] is None
+    md = get(s3_client, bucket, "ds/no-none/report.md").decode()
+    assert "| None |" not in md and "| cached_prompt_tokens | not reported by the servers" in md

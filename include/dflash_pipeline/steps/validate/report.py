@@ -193,6 +193,10 @@ _MD_FIGURES = (
 )
 
 
+_NOT_GIVEN = {"cached_prompt_tokens": "not reported by the servers (no prompt-cache usage in their answers)"}
+"""What the report table says where a figure is None, instead of Python's `None`."""
+
+
 def thinking_words(r: dict[str, Any]) -> str:
     """The run's thinking mode as planned: on, off, or the share of conversations on in a mixed run."""
     share = r.get("thinking_share_on")
@@ -216,7 +220,7 @@ def report_markdown(r: dict[str, Any]) -> str:
     lines += ["| figure | value |", "|---|---|"]
     for key in _MD_FIGURES:
         if key in r:
-            lines.append(f"| {key} | {r[key]} |")
+            lines.append(f"| {key} | {_NOT_GIVEN.get(key, 'n/a') if r[key] is None else r[key]} |")
     if r.get("checks"):
         lines += ["", "## thresholds", "", "| check | figure | limit | ok |", "|---|---|---|---|"]
         lines += [f"| {c['name']} | {c['figure']} | {c['threshold']}={c['limit']} | {'yes' if c['ok'] else '**NO**'} |"
