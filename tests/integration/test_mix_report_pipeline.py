@@ -148,3 +148,17 @@ def test_tokenize_reports_the_mix_it_kept_next_to_validation(validated: dict[str
     assert "## mix after filters" in md and "| label | before | completions | share before | share | target | gap |" in md
     assert f"| math | 60 | {domain['math']['count']} | 50.0% |" in md
     assert "(tokenize identifies no language unless drop_quality has 'language'" in md  # said, not shown as data
+
+
+def test_tokenize_without_its_own_target_takes_the_one_generate_was_given(validated: dict[str, Any], s3_client: Any,
+                                                                          bucket: str) -> None:
+    """Issue 41: an asset-triggered tokenize run has no target_mix of its own; the dataset's (given to
+    dflash_generate, in validation's report) is the one its report compares with, and it says so."""
+    layout = validated["layout"]
+    cfg = TokenizeConfig.from_params({"tokenizer": validated["tokenizer"], "workers": 1, "min_kept_share": 0.0})
+    planned = plan(s3_client, [layout.uri], cfg)
+    for a in planned["assignments"]:
+        run_assignment(s3_client, a)
+    report = write_report(s3_client, planned["datasets"][0], cfg.min_kept_share, target_mix=cfg.target_mix)
+    assert report["mix"]["target"] == TARGET
+    assert report["mix"]["target_from"] == "dflash_generate's target_mix (validation report)"

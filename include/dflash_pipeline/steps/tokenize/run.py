@@ -457,9 +457,15 @@ def build_report(client: Any, dataset: dict[str, Any], target_mix: dict[str, dic
     }
     if pinned.get("defect"):  # a planted defect (dev/data_defects.py): what it is and how many rows it changed
         report["defect"] = {**pinned["defect"], "rows_changed": defect_changed}
-    before = ((_get_json(store, layout.report_key) or {}).get("mix") or {}).get("counts")
+    validated_mix = (_get_json(store, layout.report_key) or {}).get("mix") or {}
+    before = validated_mix.get("counts")
+    # A run set off by generate's asset event has no target of its own: the dataset's is the one to meet.
+    target_from = "tokenize's target_mix" if target_mix else None
+    if not target_mix and validated_mix.get("target"):
+        target_mix, target_from = validated_mix["target"], "dflash_generate's target_mix (validation report)"
     report["mix"] = {**mixreport.mix_report(kept_mix.to_counts(), target_mix, before=before,
-                                            basis="completions kept by tokenize"), "parts_counted": mix_parts}
+                                            basis="completions kept by tokenize"), "parts_counted": mix_parts,
+                     "target_from": target_from}
     if set((kept_mix.to_counts()["by"].get("language") or {})) <= {mixreport.UNKNOWN}:
         report["mix"]["dimensions"]["language"]["note"] = (
             "tokenize identifies no language unless drop_quality has 'language' with `languages` set; "
