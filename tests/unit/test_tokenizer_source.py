@@ -148,3 +148,34 @@ def test_recount_loads_a_hugging_face_id(offline_hub: Path) -> None:
     rec = load_recounter("tiny-org/tiny-chat", _no_s3, enable_thinking=True)
     assert rec.template_source == "tokenizer_config.json" and rec.files.kind == "huggingface"
     assert json.loads(rec.files.tokenizer_json.read_text())
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A worker whose hub endpoint refuses connections and HF_HUB_OFFLINE is not set (issue 41)."""
+    cache = hub_cache(tmp_path / "hub", "tiny-org/tiny-chat", tiny)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.chdir(tmp_path)
+    return cache
+
+
+def test_an_unreachable_hub_fails_an_uncached_id_at_once_with_one_message(
+        unreachable_hub: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 41: 33 s of huggingface_hub retries and 20 duplicated error lines before the real message."""
+    with pytest.raises(TokenizerError, match=r"is unreachable .* and 'tiny-org/not-there' is not in the hub cache"):
+        fetch_tokenizer("tiny-org/not-there", _no_s3, tmp_path / "work")
+    retries = [r for r in caplog.records if "Retrying" in r.getMessage() or "thrown while requesting" in r.getMessage()]
+    assert not retries, [r.getMessage() for r in retries]
+
+
+def test_an_unreachable_hub_still_serves_a_cached_id(unreachable_hub: Path, tmp_path: Path) -> None:
+    files = fetch_tokenizer("tiny-org/tiny-chat", _no_s3, tmp_path / "work")
+    assert files.kind == "huggingface" and files.revision == COMMIT

@@ -167,14 +167,35 @@ def hub_settings() -> dict[str, Any]:
     return {"cache_dir": cache, "local_files_only": offline, "endpoint": env.get("HF_ENDPOINT") or None}
 
 
+HUB_ENDPOINT = "https://huggingface.co"
+HUB_PROBE_TIMEOUT_S = 3.0
+"""One connection to the hub, before any download: huggingface_hub retries an unreachable hub with backoff
+(about 25 s and a warning per try); a worker without the hub should use its cache or fail at once."""
+
+
+def hub_unreachable(endpoint: str | None) -> str | None:
+    """Why the hub cannot be reached (DNS, refused, timeout), or None when it answers at all."""
+    import requests
+
+    try:
+        requests.head(endpoint or HUB_ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S, allow_redirects=False)
+    except requests.RequestException as exc:
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    return None
+
+
 def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     hub = hub_settings()
+    down = None if hub["local_files_only"] else hub_unreachable(hub["endpoint"])
+    if down is not None:  # a worker without the hub: the cache alone, and one message if the id is not there
+        hub["local_files_only"] = True
     where = f"the hub cache {hub['cache_dir'] or '(huggingface_hub default)'}" + (
-        " only (HF_HUB_OFFLINE is set)" if hub["local_files_only"] else f" and {hub['endpoint'] or 'huggingface.co'}")
+        " only (HF_HUB_OFFLINE is set)" if hub["local_files_only"] and down is None
+        else "" if down is not None else f" and {hub['endpoint'] or 'huggingface.co'}")
     where += f"; read as a Hugging Face id because no local path {spec!r} exists"
 
     def download(name: str) -> str:
@@ -189,6 +210,11 @@ def _hub_files(spec: str, repo: str, revision: str | None) -> TokenizerFiles:
     except RevisionNotFoundError as exc:
         raise TokenizerError(f"tokenizer {spec!r}: revision {revision!r} of {repo!r} not found (tried {where})") from exc
     except LocalEntryNotFoundError as exc:
+        if down is not None:
+            raise TokenizerError(f"tokenizer {spec!r}: the hub {hub['endpoint'] or HUB_ENDPOINT} is unreachable ({down}) "
+                                 f"and {repo!r} is not in {where}; fill the cache (huggingface-cli download {repo} "
+                                 f"{TOKENIZER_FILE} {CONFIG_FILE}), set HF_ENDPOINT to a mirror, or give a local "
+                                 f"directory or an s3:// URI") from exc
         raise TokenizerError(f"tokenizer {spec!r}: {TOKENIZER_FILE} of {repo!r} is not in {where}; on a machine "
                           f"without the hub, fill the cache first (huggingface-cli download {repo} {TOKENIZER_FILE} "
                           f"{CONFIG_FILE}) or give a local directory or an s3:// URI") from exc
