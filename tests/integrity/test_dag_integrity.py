@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import copy
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,6 +85,31 @@ def test_params_are_the_interface(dagbag) -> None:
         assert param.description, f"param {name} has no description"
         assert param.schema.get("type"), f"param {name} has no type"
     assert dag.params.get_param("max_tokens").value == 4096
+
+
+@pytest.mark.parametrize("conf", [
+    {"sampling_extra": {"top_kk": 20}},
+    {"sampling_ladder": [{"temperature": 0.6}, {"temprature": 1.0}]},
+    {"regenerate": "every_turn"},
+    {"retry_failed_rows": "some"},
+])
+def test_what_a_schema_can_say_is_refused_at_trigger(dagbag, conf) -> None:
+    """Issue 41: a misspelt sampling key or a value outside an enumeration is refused by the params' schema,
+    so at trigger (UI, CLI, REST), not later at plan."""
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.exceptions import ParamValidationError
+
+    dag = dagbag.dags["dflash_generate"]
+    base = {"prompts_uri": "s3://b/p.jsonl", "output_uri": "s3://b/ds", "servers": ["http://127.0.0.1:1"]}
+    def with_conf(c: dict) -> ParamsDict:
+        params = copy.deepcopy(dag.params)
+        for key, value in c.items():
+            params[key] = value  # ParamsDict sets the value of the key's Param, as a trigger does
+        return params
+
+    with_conf(base).validate()  # the base conf is fine
+    with pytest.raises(ParamValidationError):
+        with_conf({**base, **conf}).validate()
 
 
 def test_eval_shape_params_tags_retries(dagbag) -> None:

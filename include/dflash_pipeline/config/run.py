@@ -13,7 +13,7 @@ from typing import Any
 from dflash_pipeline.config.mix import target_mix_schema
 from dflash_pipeline.config.schema import ConfigError, check_schema as _check_schema
 from dflash_pipeline.config.quality import QUALITY_PARAM_SCHEMAS, QualitySettings
-from dflash_pipeline.dataset.sampling import SamplingError, check_overrides
+from dflash_pipeline.dataset.sampling import SAMPLING_KEYS, SamplingError, check_overrides
 from dflash_pipeline.dataset.layout import UriError, parse_s3_uri
 from dflash_pipeline.dataset.sources import SourceError, is_glob, parse_sources
 
@@ -245,6 +245,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "sampling_extra": {
         "type": ["null", "object"],
         "default": None,
+        "propertyNames": {"enum": list(SAMPLING_KEYS)},  # a misspelt key is refused at trigger
         "description": "More sampling fields sent with every request, e.g. {\"top_k\": 20, \"min_p\": 0, "
         "\"presence_penalty\": 1.5, \"stop\": [\"</answer>\"]}. Accepted keys: top_k, min_p, presence_penalty, "
         "frequency_penalty, repetition_penalty, stop, stop_token_ids, min_tokens, ignore_eos, "
@@ -259,7 +260,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": None,
         "minItems": 1,
         "maxItems": 64,
-        "items": {"type": "object"},
+        "items": {"type": "object", "propertyNames": {"enum": list(SAMPLING_KEYS)}},
         "description": "Per-sample overrides: sample k is sent with entry k mod len over the run's "
         "settings (a row's `sampling` still wins), e.g. [{\"temperature\": 0.6}, {\"temperature\": 1.0}] "
         "with samples_per_prompt 2 for a temperature ladder. Same keys as sampling_extra. Null = none.",
