@@ -286,3 +286,11 @@ def test_rows_with_and_without_engine_ids_and_ids_that_disagree_with_usage(s3_cl
     report = run_validation(s3_client, uri, LAX, plots=False)
     assert report["engine_token_ids"] == {"rows_with": 3, "rows_without": 1, "rows_whose_ids_disagree_with_usage": 1}
     assert report["defect_ids_sample"]["engine_ids_disagree_with_usage"] == ["b"]
+
+
+def test_validation_after_a_failed_plan_says_plan_did_not_finish(s3_client: Any, bucket: str) -> None:
+    """Issue 41: downstream of a failed plan, validation named a missing manifest as if it were the fault."""
+    from dflash_pipeline.steps.validate import ValidationFailed
+
+    with pytest.raises(ValidationFailed, match="plan did not finish"):
+        run_validation(s3_client, f"s3://{bucket}/ds/never-planned", plots=False)

@@ -100,7 +100,8 @@ class Sources:
 def read_manifest(store: Store, layout: DatasetLayout) -> dict[str, Any]:
     got = with_retries(lambda: store.get(layout.manifest_key), what="read manifest")
     if got is None:
-        raise ValidationFailed(f"{layout.uri}: manifest.json is missing")
+        raise ValidationFailed(f"{layout.uri}: no manifest.json: plan did not finish (its own failure says why), so "
+                               "nothing was generated and there is nothing to validate")
     return json.loads(got[0])
 
 
