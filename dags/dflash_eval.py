@@ -36,7 +36,7 @@ from typing import Any
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import EVAL_ESSENTIAL_PARAMS, EVAL_PARAM_SCHEMAS
-from dflash_pipeline.tasks import eval_asset, params_from
+from dflash_pipeline.tasks import eval_asset, on_task_failure, on_task_retry, params_from
 
 PARAMS = params_from(EVAL_PARAM_SCHEMAS, EVAL_ESSENTIAL_PARAMS)
 
@@ -54,6 +54,9 @@ PARAMS = params_from(EVAL_PARAM_SCHEMAS, EVAL_ESSENTIAL_PARAMS)
         "retry_delay": timedelta(seconds=30),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=10),
+        # Each failed try's reason is recorded for the run's page (tasks.on_task_failure).
+        "on_failure_callback": on_task_failure,
+        "on_retry_callback": on_task_retry,
     },
 )
 def dflash_eval() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import ESSENTIAL_PARAMS, PARAM_SCHEMAS
-from dflash_pipeline.tasks import completions_asset, params_from
+from dflash_pipeline.tasks import completions_asset, on_task_failure, on_task_retry, params_from
 
 # Params are built from the package's schemas: one source for the UI form, the CLI and the tests.
 PARAMS = params_from(PARAM_SCHEMAS, ESSENTIAL_PARAMS)
@@ -41,6 +41,9 @@ PARAMS = params_from(PARAM_SCHEMAS, ESSENTIAL_PARAMS)
         "retry_delay": timedelta(seconds=30),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=10),
+        # Each failed try's reason is recorded for the run's page (tasks.on_task_failure).
+        "on_failure_callback": on_task_failure,
+        "on_retry_callback": on_task_retry,
     },
 )
 def dflash_generate() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from airflow.sdk import dag, get_current_context, task
 
 from dflash_pipeline.config import TOKENIZE_ESSENTIAL_PARAMS, TOKENIZE_PARAM_SCHEMAS
-from dflash_pipeline.tasks import completions_asset, params_from, tokenized_asset
+from dflash_pipeline.tasks import completions_asset, on_task_failure, on_task_retry, params_from, tokenized_asset
 
 PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS, TOKENIZE_ESSENTIAL_PARAMS)
 
@@ -36,7 +36,7 @@ PARAMS = params_from(TOKENIZE_PARAM_SCHEMAS, TOKENIZE_ESSENTIAL_PARAMS)
     catchup=False,
     tags=["dflash", "training-data", "tokenize"],
     doc_md=__doc__,
-    default_args={"retries": 1},
+    default_args={"retries": 1, "on_failure_callback": on_task_failure, "on_retry_callback": on_task_retry},
     params=PARAMS,
 )
 def dflash_tokenize() -> None:

@@ -90,6 +90,40 @@ def s3_client(aws_conn_id: str) -> Any:
     return hook.get_client_type(region_name=hook.region_name, config=config)
 
 
+def on_task_failure(context: Any) -> None:
+    """The DAGs' `on_failure_callback`: the try's reason for the run's page (`_record_failure`)."""
+    _record_failure(context, "failed")
+
+
+def on_task_retry(context: Any) -> None:
+    """The DAGs' `on_retry_callback`: the try's reason for the run's page (`_record_failure`)."""
+    _record_failure(context, "up_for_retry")
+
+
+def _record_failure(context: Any, state: str) -> None:
+    """The try's reason under the run's dataset root, for the run's page (monitor/failures.py). Best effort;
+    a run without an output_uri records nothing."""
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.monitor.failures import failure_doc, record_failure
+
+    try:
+        params = context.get("params") or {}
+        output_uri = params.get("output_uri")
+        if not output_uri:
+            return
+        ti = context["ti"]
+        exc = context.get("exception")
+        if exc is not None and exc.__cause__ is not None and type(exc).__name__ == "AirflowFailException":
+            exc = exc.__cause__  # the message _fail_fast wrapped, under its own class
+        layout = DatasetLayout.from_uri(str(output_uri))
+        store = Store(s3_client(str(params.get("aws_conn_id") or "aws_default")), layout.bucket)
+        doc = failure_doc(ti.task_id, int(ti.map_index if ti.map_index is not None else -1), int(ti.try_number),
+                          state, exc)
+        record_failure(store, layout, context["run_id"], doc)
+    except Exception as exc:  # noqa: BLE001 - a callback must never hide the task's own failure
+        logger.warning("could not record the task's failure: %r", exc)
+
+
 def resolve_server(name: str) -> ServerSpec:
     """A base URL as given, or an Airflow connection: host (with or without scheme), port, password = API key."""
     from dflash_pipeline.serving.sglang import ServerSpec

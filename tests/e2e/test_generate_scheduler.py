@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import requests
@@ -97,6 +98,14 @@ def _start_failing_run(stack: AirflowStack, fleet: Any, s3: Any, bucket: str, ro
     states = _states(stack, run_id)
     assert {states[("generate", i)] for i in range(len(fleet.servers))} == {"failed"}
     assert states[("validate_and_count", -1)] == "failed"
+    # issue 41: the run's page names each failed task's reason (not only the task logs)
+    page = stack.rest("GET", f"/dflash/api/runs/{DAG}/{quote(run_id, safe='')}", timeout_s=120)
+    assert page.status_code == 200, page.text[:500]
+    failures = {(f["task_id"], f["map_index"]): f for f in page.json()["failures"]}
+    for i in range(len(fleet.servers)):
+        assert failures[("generate", i)]["state"] == "failed"
+        assert "401" in failures[("generate", i)]["message"], failures[("generate", i)]
+    assert failures[("validate_and_count", -1)]["message"]
     for server in fleet.servers:
         requests.post(f"{server.url}/sim/config", json={"api_key": key}, timeout=5).raise_for_status()
     return run_id, conf

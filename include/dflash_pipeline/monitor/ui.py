@@ -559,6 +559,22 @@ def tasks_line(tasks: Sequence[Mapping[str, Any]]) -> str:
     return '<p class="tasks">' + " ".join(items) + "</p>"
 
 
+def failures_section(failures: Sequence[Mapping[str, Any]]) -> str:
+    """Why tasks failed (monitor/failures.py): each task's latest failed try, its message as raised (it says
+    what to change), tasks that will be retried marked so."""
+    if not failures:
+        return ""
+    rows = []
+    for f in failures:
+        index = int(f.get("map_index", -1))
+        name = f["task_id"] if index < 0 else f'{f["task_id"]}[{index}]'
+        state = "failed" if f.get("state") == "failed" else "will be retried"
+        rows.append(f'<tr><td class="mono">{_e(name)}</td><td>try {_e(f.get("try_number"))}, {_e(state)}</td>'
+                    f'<td class="mono">{_e(f.get("error_class") or "")}</td><td>{_e(f.get("message"))}</td></tr>')
+    return ('<section id="failures"><h2>Why it failed</h2><table><thead><tr><th>task</th><th>try</th>'
+            '<th>error</th><th>reason</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table></section>")
+
+
 def run_main(view: Mapping[str, Any]) -> str:
     """The block the page refreshes: everything below the title (a dflash_eval run's: ui_eval.py)."""
     if view.get("kind") == "eval":
@@ -576,6 +592,7 @@ def run_main(view: Mapping[str, Any]) -> str:
     parts.append(tasks_line(view.get("tasks") or []))
     for msg in view.get("warnings") or []:
         parts.append(f'<p class="err">{_e(msg)}</p>')
+    parts.append(failures_section(view.get("failures") or []))
     if view.get("tokenize") is not None:
         parts.append(tokenize_section(view["tokenize"]) + "</div>")
         return "".join(parts)
@@ -583,6 +600,9 @@ def run_main(view: Mapping[str, Any]) -> str:
         parts.append(progress_section(view["progress"], run_state))
         parts.append(live_quality_section(view.get("live_quality")))
         parts.append(abilities_section(view.get("abilities") or []))
+    elif any(f.get("task_id") == "plan" and f.get("state") == "failed" for f in view.get("failures") or []):
+        parts.append('<p class="muted">No plan: the plan task failed (its reason is above); nothing was '
+                     'generated.</p>')
     else:
         parts.append('<p class="muted">No plan yet: the manifest appears when the plan task has run.</p>')
     parts.append(report_section(view.get("report"), view.get("plot_urls") or [], view.get("report_md_url"),

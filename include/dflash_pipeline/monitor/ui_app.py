@@ -35,6 +35,7 @@ from dflash_pipeline.dataset.layout import DatasetLayout, UriError, chunk_of_key
 from dflash_pipeline.dataset.store import Store
 from dflash_pipeline.monitor import ui
 from dflash_pipeline.monitor.fleet import aggregate
+from dflash_pipeline.monitor.failures import read_failures
 from dflash_pipeline.monitor.livequality import live_view, merge_groups
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,7 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
         view["warnings"].append(f"could not read {layout.uri} with connection {view['aws_conn_id']!r}: "
                                 f"{type(exc).__name__}: {exc}")
         return view
+    view["failures"] = _failures(store, root, run_id)
     view["progress"] = data["progress"]
     view["live_quality"] = data.get("live_quality")
     view["abilities"] = data["abilities"]
@@ -287,6 +289,15 @@ def run_view(session: Any, dag_id: str, run_id: str, base: str, dataset: str | N
     validate_states = [t["state"] for t in tasks if t["task_id"] == "validate_and_count"]
     view["report_missing_final"] = bool(validate_states) and validate_states[0] in ("failed", "upstream_failed")
     return view
+
+
+def _failures(store: Store, root: DatasetLayout, run_id: str) -> list[dict[str, Any]]:
+    """The failed tries' reasons (monitor/failures.py); [] when they cannot be read (the page still shows)."""
+    try:
+        return read_failures(store, root, run_id)
+    except Exception as exc:  # noqa: BLE001 - the page shows the rest
+        logger.warning("dflash page: reading the failures of %s failed: %s", run_id, exc)
+        return []
 
 
 def _read_run_object(session: Any, dag_id: str, run_id: str, name: str) -> tuple[bytes, str]:
