@@ -232,6 +232,11 @@ class DatasetLayout:
     def progress_key(self, run_id: str, worker: str) -> str:
         return self.run_key(run_id, f"progress/{worker}.json")
 
+    def failure_key(self, run_id: str, task_id: str, map_index: int, try_number: int) -> str:
+        """One failed try's reason (monitor/failures.py), for the run's page."""
+        name = task_id if map_index < 0 else f"{task_id}-{map_index}"
+        return self.run_key(run_id, f"failures/{name}-try{try_number}.json")
+
 
 _INDEXED_RE = re.compile(r"(?:chunk|part)-(\d+)\.(?:parquet|jsonl|json)")
 

@@ -24,11 +24,6 @@ MESSAGE_CHARS = 4000
 """A message longer than this is cut (a task log holds the rest)."""
 
 
-def failure_key(layout: DatasetLayout, run_id: str, task_id: str, map_index: int, try_number: int) -> str:
-    name = task_id if map_index < 0 else f"{task_id}-{map_index}"
-    return layout.run_key(run_id, f"failures/{name}-try{try_number}.json")
-
-
 def failure_doc(task_id: str, map_index: int, try_number: int, state: str, exc: BaseException | None) -> dict[str, Any]:
     """The record: the exception's class and message as people should read them (a wrapped exception, e.g.
     AirflowFailException from a ConfigError, shows the message it carries)."""
@@ -41,7 +36,7 @@ def failure_doc(task_id: str, map_index: int, try_number: int, state: str, exc: 
 def record_failure(store: Store, layout: DatasetLayout, run_id: str, doc: Mapping[str, Any],
                    deadline_s: float = 15.0) -> None:
     """Write `doc` (failure_doc) under the run; never raises."""
-    key = failure_key(layout, run_id, str(doc["task_id"]), int(doc["map_index"]), int(doc["try_number"]))
+    key = layout.failure_key(run_id, str(doc["task_id"]), int(doc["map_index"]), int(doc["try_number"]))
     try:
         with_retries(lambda: store.put(key, json.dumps(doc).encode(), content_type="application/json"),
                      what="failure record", deadline_s=deadline_s)
