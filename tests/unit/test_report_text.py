@@ -57,3 +57,13 @@ def test_report_md_is_rendered_with_its_tables_and_escapes_html() -> None:
     assert "<table>" in page and "<td>prompts</td>" in page
     assert "<script>x</script>" not in page and "&lt;script&gt;" in page
     assert 'href="/dflash/runs/d/r"' in page
+
+
+def test_a_long_nested_value_does_not_push_the_numbers_off_screen() -> None:
+    """Issue 41: the demo's terminal report put its values about 3,000 columns to the right (a nested
+    section printed as one cell widened the column every number is right-aligned in)."""
+    report = {"prompts": 2000, "completions": 1998, "mix": {f"k{i}": "x" * 50 for i in range(60)},
+              "quality": {"loops": {"rows": 3, "examples": ["y" * 400]}}, "status": "passed"}
+    lines = report_lines(report)
+    assert max(len(line) for line in lines) <= 120, max(len(line) for line in lines)
+    assert any(line.startswith("prompts") and line.rstrip().endswith("2,000") for line in lines)

@@ -16,8 +16,20 @@ NESTED = ("per_server", "checks", "token_stats", "token_recount", "files", "defe
 _NUMBER = re.compile(r"^[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?%?$")
 
 
+MAX_CELL = 80
+"""A cell longer than this is cut with "...": a nested section printed whole (the report's mix, quality...)
+widened its column to thousands of characters and pushed every right-aligned number off the screen; the
+report.md and report.json hold it whole."""
+
+
 def format_value(value: Any) -> str:
-    """One cell: thousands separators, two decimals, `k=v` pairs, at most five list items, `-` for none."""
+    """One cell (at most MAX_CELL characters): thousands separators, two decimals, `k=v` pairs, at most five
+    list items, `-` for none."""
+    text = _format(value)
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 4] + " ..."
+
+
+def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.2f}"
     if isinstance(value, int) and not isinstance(value, bool):
