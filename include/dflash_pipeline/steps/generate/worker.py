@@ -34,7 +34,10 @@ Failure handling (docs/liveness.md). A failed request is a row (outcomes.py). A 
 (failing.py: transient failures, nothing succeeding, no sign of life) gets nothing new and a 1-token
 probe; after `handoff_after_s` its open chunks go to the fleet (finished rows saved as partials; a
 chunk with requests in flight only once they are back), after `server_lost_after_s` ServerLost. A
-busy server (requests running, ours in flight) is not failing: what it refuses goes back in line.
+busy server (requests running, ours in flight) is not failing: what it refuses without generating
+(503 queue full, 429: `outcomes.refused`) goes back in line uncounted and lowers the in-flight cap;
+any other transient failure there (a 500 for one input, an abort, a reset, a second timeout) is the
+prompt's counted put-back (at most MAX_REQUEUES, then an error row) and lowers nothing.
 A server answering mostly permanent errors is paused and judged (breaker.py): ServerBroken only
 when it refuses what its peers serve. What main does with either verdict is verdicts.py. `request_stop()` (SIGTERM) ends `run()` within
 `stop_grace_s`, a hand-off in progress included: complete chunks are committed or saved first,
@@ -77,7 +80,7 @@ from dflash_pipeline.steps.generate.committing import Committer
 from dflash_pipeline.steps.generate.failing import ServerHealth, ShedCap
 from dflash_pipeline.steps.generate.handback import PartialWriter
 from dflash_pipeline.steps.generate.ledger import Ledger
-from dflash_pipeline.steps.generate.outcomes import error_row
+from dflash_pipeline.steps.generate.outcomes import error_row, refused
 from dflash_pipeline.steps.generate.pool import DaemonPool, RequestPool
 from dflash_pipeline.steps.generate.requesting import do_request
 from dflash_pipeline.steps.generate.scan import Scanner
@@ -304,26 +307,30 @@ class Worker:
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
             pid = unit_key(out.prompt)
-            if f.transient and self.health.servers_fault(out.last_failure_t) and not self.health.failing \
-                    and self.health.busy(self.in_flight):
-                # Busy, not failing (failing.py): refused (503 queue full) while running ours. Not
-                # the prompt's fault nor a reason to pause: back in line, uncounted, fewer in flight.
+            servers_fault = f.transient and self.health.servers_fault(out.last_failure_t)
+            busy = servers_fault and not self.health.failing and self.health.busy(self.in_flight)
+            if busy and refused(f):
+                # Busy, not failing (failing.py): refused (503 queue full, 429) without generating,
+                # while running ours. Not the prompt's fault nor a reason to pause: back in line,
+                # uncounted, fewer in flight.
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
                 self.stats.busy_requeues += 1
                 self.shed.shed(self.in_flight)
                 return
-            if f.transient and self.health.servers_fault(out.last_failure_t) and (
-                    self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
-                # Nothing succeeded since this request last failed: the server, not the prompt, is
-                # the problem. Put it back; it is not an error row. While the server is failing
-                # this costs no requeue (nothing is sent until it generates again); otherwise the
-                # count is bounded, so one prompt that always fails ends as an error row.
+            if servers_fault and (self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
+                # Nothing succeeded since this request last failed: perhaps the server, perhaps the
+                # prompt. Put it back; it is not an error row yet. While the server is failing this
+                # costs no requeue (nothing is sent until it generates again); otherwise the count
+                # is bounded (a 500 for this input, an abort, a reset, a second timeout on a busy
+                # server included), so one prompt that always fails ends as an error row. A busy
+                # server (a sign of life) is not failing: nothing is paused, the cap is not lowered.
                 if not self.health.failing:
                     chunk.requeues[pid] = chunk.requeues.get(pid, 0) + 1
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
-                self.health.failed(f.message)
+                if not busy:
+                    self.health.failed(f.message)
                 return
             row = self._error_row(out)
             self.stats.errors += 1
