@@ -4,6 +4,10 @@ interfaces (`run`, `request_stop`, `stats`); faults come from SimServer knobs an
 
 1. A transient failure on a busy server (a 500 for one input) was taken for a refusal: put back
    uncounted with no bound, each put-back lowering the in-flight cap to what was in flight.
+2. A server restarted mid-run with a smaller context committed its ContextLengthExceeded refusals
+   as the prompts' error rows before the breaker suspected it (suspicion needs 20 of the last 40).
+3. Prompts too long for every server (contexts 8192 and 4352, prompts of ~8310 tokens) got the
+   healthy smaller server judged broken: its context was compared with the fleet's largest.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from test_dispatch import Run
+from test_dispatch import SIM, Run
 from test_protocol_review import _run_in_thread, _stop
 
 from dflash_pipeline.steps.generate.state import MAX_REQUEUES
@@ -63,3 +67,81 @@ def test_a_prompt_failing_on_a_busy_server_is_bounded_and_keeps_the_slots_busy(
     assert slot_use >= 0.35, figures  # 0.56 without the poison prompt in this setup; 0.14 before the fix
     report = _validate_exact(run)
     assert report["errors"] == 1 and report["completions"] == 31
+
+
+# -- 2: a server restarted with a smaller context mid-run ------------------------------------------
+
+# max_tokens is 4096 (RunConfig's default): 4096 + 256 holds the plan's short prompts with max_tokens;
+# 4096 + 12 still holds a one-line prompt plus 1 token, not a question plus max_tokens.
+CONTEXT = 4096 + 256
+
+
+@pytest.mark.timeout(120)
+def test_a_server_restarted_with_a_smaller_context_mid_run_commits_none_of_its_refusals(
+        s3_client: Any, bucket: str, sim_fleet: Any) -> None:
+    """Its refusals depend on the server (its peer serves those prompts): none may be committed as
+    the prompts' error rows, before or after the breaker suspects it. Before the fix the chunks it
+    completed between the restart and the suspicion were committed with its error rows, and
+    validation failed on the error rate."""
+    fleet = sim_fleet(2, **SIM, context_length=CONTEXT)
+    run = Run(s3_client, bucket, fleet.urls, n=400, save_every=10)
+    workers = [run.worker(i, concurrency=8) for i in range(2)]
+    threads = [_run_in_thread(w) for w in workers]
+    try:
+        deadline = time.monotonic() + 30
+        while fleet.servers[0].stats()["completed"] < 40:
+            assert time.monotonic() < deadline, "server 0 never got going"
+            time.sleep(0.005)
+        fleet.servers[0].update_config(context_length=4096 + 12)  # "restarted" smaller
+        for t, _ in threads:
+            t.join(timeout=60)
+    finally:
+        for w, (t, _) in zip(workers, threads):
+            _stop(w, t)
+    outs = [out for _, out in threads]
+    assert isinstance(outs[1].get("result"), dict), outs[1]
+    errors = [r for r in run.rows() if r.get("error_class")]
+    print(f"server 0 ended {outs[0].get('error') or 'normally'!r:.200}; committed error rows {len(errors)}")
+    assert not errors, f"{len(errors)} refusals of the restarted server committed as error rows"
+    run.validate()
+
+
+# -- 3: prompts too long for every server, in a fleet of two context lengths -------------------------
+
+
+def _long_prompts(n: int, long: range, words: int = 4148) -> list[dict[str, Any]]:
+    """`words` repeats of " every number" make a prompt of ~8310 tokens in the simulator's count."""
+    out = []
+    for i in range(n):
+        text = f"Question {i}: how many primes are below {1000 + 7 * i}?"
+        if i in long:
+            text += " Consider" + " every number" * words + "."
+        out.append({"id": f"q{i:05d}", "prompt": text})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_prompts_too_long_for_every_server_are_error_rows_and_the_small_server_is_not_broken(
+        s3_client: Any, bucket: str, sim_fleet: Any) -> None:
+    """Contexts 8192 and 4352 from preflight on, prompts of ~8310 tokens: too long for both. Each
+    server meets a chunk of them (the breaker suspects both); the smaller one is the server preflight
+    saw, so it is not broken, and the prompts end as their ContextLengthExceeded error rows. Before
+    the fix it was ServerBroken ("restarted with a smaller --context-length"), lost for the run."""
+    from test_liveness_servers import PromptRun
+
+    fleet = sim_fleet(2, **SIM, context_length=8192)
+    fleet.servers[1].update_config(context_length=4352)
+    run = PromptRun(s3_client, bucket, fleet.urls, _long_prompts(240, long=range(0, 80)), save_every=40)
+    assert [e["context_length"] for e in run.manifest["servers"]] == [8192, 4352]
+    workers = [run.worker(i) for i in range(2)]
+    results = run.run_all(workers)
+    print("; ".join(f"{r!r}"[:200] if not isinstance(r, dict) else
+                    f"{r['server']}: {r['completions']} completions, {r['permanent_errors']} permanent errors, "
+                    f"breaker checks {r.get('breaker_checks')}" for r in results))
+    assert all(isinstance(r, dict) for r in results), results
+    _validate_exact(run)
+    errors = [r for r in run.rows() if r.get("error_class")]
+    assert sorted(r["id"] for r in errors) == [f"q{i:05d}" for i in range(80)]
+    assert {r["error_class"] for r in errors} == {"ContextLengthExceeded"}
+    assert run.claims_left() == []
+

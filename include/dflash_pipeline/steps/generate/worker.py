@@ -267,9 +267,28 @@ class Worker:
         if self._demand(self.claimer.lookahead_s()):
             self.claimer.wake.set()
 
+    def _settled(self, chunk: OpenChunk) -> bool:
+        """No context refusal of the chunk waits for the breaker's context check (breaker.py)."""
+        if chunk.unconfirmed:
+            chunk.unconfirmed = {k: t for k, t in chunk.unconfirmed.items() if not self.breaker.confirmed(t)}
+        return not chunk.unconfirmed
+
+    def _kept_rows(self, chunk: OpenChunk, keep_errors: bool) -> list[dict[str, Any]]:
+        """The rows that are results for good, to save in a partial: completions, and permanent
+        errors when `keep_errors` and confirmed as the prompts' (never a context refusal the
+        breaker has not confirmed, nor a transient error row)."""
+        self._settled(chunk)
+        return [r for k, r in chunk.results.items()
+                if not r.get("error_class")
+                or (keep_errors and not r.get("retryable") and k not in chunk.unconfirmed)]
+
     def _finish_chunk(self, chunk: OpenChunk) -> None:
-        """Every row is in: hand the chunk to the committer (unless a peer took it over first)."""
+        """Every row is in: hand the chunk to the committer (unless a peer took it over first). A
+        chunk holding an unconfirmed context refusal stays open: main finishes it once the
+        breaker's context check confirms it (verdicts.py), or hands it back without the refusal."""
         assert chunk.lease is not None
+        if not self._settled(chunk):
+            return
         if not self.leases.move(chunk.lease, State.QUEUED, "main"):
             self.ledger.forget(chunk)
             self._count("rows_discarded", len(chunk.results))
@@ -337,6 +356,12 @@ class Worker:
             self.stats.errors_by_class[f.error_class] = self.stats.errors_by_class.get(f.error_class, 0) + 1
             if not f.transient:
                 self.stats.permanent_errors += 1
+            if f.error_class == "ContextLengthExceeded":
+                # It may be the server's (a restart with a smaller context): held until the
+                # breaker's context check, started after it, confirms it (breaker.py).
+                refused_t = out.last_failure_t if out.last_failure_t is not None else time.monotonic()
+                chunk.unconfirmed[unit_key(row)] = refused_t
+                self.breaker.context_refused(refused_t)
             self.breaker.record(f)
         chunk.results[unit_key(row)] = row
         if chunk.complete and not self.breaker.deciding:  # held while the breaker judges (breaker.py)
@@ -356,10 +381,10 @@ class Worker:
                 continue
             if not self.leases.move(lease, State.RELEASED, "main"):
                 continue  # taken over meanwhile: the peer has it
-            # Completions (and permanent errors, unless this server is the problem); never transient
-            # error rows, which a failing server or the stop itself may have caused.
-            rows = [r for r in chunk.results.values()
-                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
+            # Completions (and permanent errors, unless this server is the problem or the breaker
+            # has not confirmed them); never transient error rows, which a failing server or the
+            # stop itself may have caused.
+            rows = self._kept_rows(chunk, keep_errors)
             jobs.append((lease, rows if chunk.base_rows is None else []))
         return jobs
 
@@ -376,8 +401,7 @@ class Worker:
                 continue
             # Permanent errors are results for good, unless the breaker is judging this server.
             keep_errors = not self.breaker.deciding
-            rows = [r for r in chunk.results.values()
-                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
+            rows = self._kept_rows(chunk, keep_errors)
             if not rows:
                 continue
             chunk.checkpointed = len(chunk.results)
