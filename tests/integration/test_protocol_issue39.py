@@ -8,11 +8,15 @@ interfaces (`run`, `request_stop`, `stats`); faults come from SimServer knobs an
    as the prompts' error rows before the breaker suspected it (suspicion needs 20 of the last 40).
 3. Prompts too long for every server (contexts 8192 and 4352, prompts of ~8310 tokens) got the
    healthy smaller server judged broken: its context was compared with the fleet's largest.
+4. A retry took a live earlier try's claims when that try's renewal writes were slow (claim PUTs
+   taking 3 s): the renewer timed each renewal from the end of the last one's write, and the
+   retry's wait had about 1 s of slack for the write.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -145,3 +149,60 @@ def test_prompts_too_long_for_every_server_are_error_rows_and_the_small_server_i
     assert {r["error_class"] for r in errors} == {"ContextLengthExceeded"}
     assert run.claims_left() == []
 
+
+# -- 4: a retry and its earlier try whose renewal writes are slow ------------------------------------
+
+
+@pytest.fixture
+def proxy(moto_server: Any) -> Any:
+    from dflash_pipeline.dev.s3faults import S3FaultProxy
+
+    p = S3FaultProxy(moto_server.port, seed=39).start()
+    yield p
+    p.stop()
+
+
+@pytest.mark.timeout(150)
+def test_a_retry_leaves_a_live_earlier_try_s_claims_alone_when_its_renewals_are_slow(
+        s3_client: Any, bucket: str, sim_fleet: Any, proxy: Any) -> None:
+    """Try 1 is still running and renewing, but each of its claim writes takes 3 s to land; try 2
+    (same task, same owner) starts meanwhile. Try 2 must wait long enough for try 1's slow renewals:
+    no chunk taken from it, no prompt generated twice. Before the fix try 2 took try 1's chunks
+    (renewals landed every 5-6 s, try 2 took a claim quiet for 4 s)."""
+    from test_protocol_review import _single_attempt_client
+
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.steps.generate import Worker
+
+    # ~1.8 s generations; try 1 runs 4 at a time, so it holds each chunk of 16 for several seconds.
+    fleet = sim_fleet(1, token_time_s=0.002, length_scale=0.5, max_running_requests=16)
+    run = Run(s3_client, bucket, fleet.urls, n=64, save_every=16)
+    proxy.add_rule(method="PUT", key_regex=r"/claims/", delay_s=3.0)
+    slow_store = Store(_single_attempt_client(proxy.url), bucket)
+    try1 = Worker(slow_store, run.layout, run.manifest, run.settings(0, lease_s=8.0, try_number=1, concurrency=4))
+    t1, out1 = _run_in_thread(try1)
+    try2 = run.worker(0, lease_s=8.0, try_number=2, concurrency=4)
+    t2 = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (len(try1.leases) >= 1 and try1.stats.completions >= 2):
+            assert time.monotonic() < deadline and t1.is_alive(), f"try 1 never got going: {out1}"
+            time.sleep(0.02)
+        t2, out2 = _run_in_thread(try2)
+        t1.join(timeout=100)
+        t2.join(timeout=100)
+        per_prompt: Counter[str] = Counter(fleet[0].stats()["ids"])
+        twice = sorted(k for k, v in per_prompt.items() if v > 1)
+        print(f"{len(twice)} of {run.n} prompts generated twice; try 1 completions {try1.stats.completions}, "
+              f"chunks lost {try1.stats.chunks_lost_to_others}, rows discarded {try1.stats.rows_discarded}; try 2 "
+              f"completions {try2.stats.completions}, chunks taken over {try2.stats.chunks_taken_over}")
+        assert isinstance(out1.get("result"), dict), out1
+        assert isinstance(out2.get("result"), dict), out2
+        run.validate()
+        assert try2.stats.chunks_taken_over == 0 and try1.stats.chunks_lost_to_others == 0
+        assert not twice, f"{len(twice)} prompts generated twice"
+    finally:
+        proxy.clear_rules()
+        _stop(try1, t1)
+        if t2 is not None:
+            _stop(try2, t2)
