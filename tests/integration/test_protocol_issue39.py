@@ -11,6 +11,8 @@ interfaces (`run`, `request_stop`, `stats`); faults come from SimServer knobs an
 4. A retry took a live earlier try's claims when that try's renewal writes were slow (claim PUTs
    taking 3 s): the renewer timed each renewal from the end of the last one's write, and the
    retry's wait had about 1 s of slack for the write.
+5. A stop left a claim whose answer was lost while its re-send was being retried: peers waited
+   the whole lease for it.
 """
 
 from __future__ import annotations
@@ -206,3 +208,42 @@ def test_a_retry_leaves_a_live_earlier_try_s_claims_alone_when_its_renewals_are_
         _stop(try1, t1)
         if t2 is not None:
             _stop(try2, t2)
+
+
+# -- 5: a stop while a claim whose answer was lost is being re-sent -----------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_stop_releases_a_claim_whose_answer_was_lost_while_its_re_send_is_retried(
+        s3_client: Any, bucket: str, sim_fleet: Any, proxy: Any) -> None:
+    """The first claim lands but its answer is lost; every re-send is answered 503. A stop then
+    comes while the claimer retries: the claim may be ours, so the stop must find it (its nonce)
+    and release it within the grace. Before the fix it stayed until its lease expired."""
+    from test_protocol_review import _single_attempt_client
+
+    from dflash_pipeline.dataset.store import Store
+    from dflash_pipeline.steps.generate import TaskStopped, Worker
+
+    fleet = sim_fleet(1, **SIM)
+    run = Run(s3_client, bucket, fleet.urls, n=40, save_every=20)
+    refused = proxy.add_rule(method="PUT", key_regex=r"/claims/", status=503)
+    lost = proxy.add_rule(method="PUT", key_regex=r"/claims/", lose_answer=True, times=1)
+    store = Store(_single_attempt_client(proxy.url), bucket)
+    worker = Worker(store, run.layout, run.manifest, run.settings(0, lease_s=60.0, backoff_base_s=0.1))
+    t, out = _run_in_thread(worker)
+    try:
+        deadline = time.monotonic() + 30
+        while not (lost.hits >= 1 and refused.hits >= 2):
+            assert time.monotonic() < deadline and t.is_alive(), f"the claim was never re-sent: {out}"
+            time.sleep(0.01)
+        assert run.claims_left(), "the first claim landed"
+        stopped_at = time.monotonic()
+        worker.request_stop()
+        t.join(timeout=15)
+        took = time.monotonic() - stopped_at
+    finally:
+        proxy.clear_rules()
+        _stop(worker, t)
+    assert isinstance(out.get("error"), TaskStopped), out
+    assert took < 3.0 + 1.0, f"the stop took {took:.1f}s"
+    assert run.claims_left() == [], "the claim whose answer was lost was left for its lease"

@@ -232,11 +232,20 @@ class ChunkStore:
         # send): chunk -> its nonce, kept until S3 says whose the key is (`recover`, or the next
         # claim of that chunk, which re-sends the same nonce). Owner: the claimer thread (the only
         # caller of `claim`, `recover` and `is_pending`); the lock only guards against a future
-        # reader elsewhere. A kill or a stop forgets these nonces: a claim that did land is then
-        # nobody's known lease; it expires after `lease_s` for peers, and this task's retry takes
-        # it back once it is `quiet_after_s` unrenewed (claiming.Claimer._find_own_stale).
+        # reader elsewhere. Set from a claim's first send until it settles. A stop looks each one up
+        # and releases it if it holds our nonce (stopping.Closer); a kill forgets them: a claim that
+        # did land is then nobody's known lease; it expires after `lease_s` for peers, and this
+        # task's retry takes it back once it is `quiet_after_s` unrenewed
+        # (claiming.Claimer._find_own_stale).
         self._pending: dict[int, str] = {}
         self._pending_lock = threading.Lock()
+
+    def pending(self) -> list[int]:
+        """Chunks whose claim of ours may exist unanswered: a claim attempt that sent and has not
+        settled (still being re-sent, or ended StoreUnavailable). The stop path looks each up by
+        its nonce and releases it (stopping.Closer), so no such claim waits out its lease."""
+        with self._pending_lock:
+            return sorted(self._pending)
 
     def is_pending(self, chunk: int) -> bool:
         """Whether a claim of ours on `chunk` may exist although its write was never answered."""
@@ -292,6 +301,9 @@ class ChunkStore:
         def put() -> str:
             nonlocal sends
             sends += 1
+            if sends == 1:  # from the first send on, the claim may exist: a stop must look for it
+                with self._pending_lock:
+                    self._pending[chunk] = nonce
             return self.store.put(
                 key, self.claim_body(nonce), if_none_match=prev is None,
                 if_match=None if prev is None else prev.etag,
