@@ -29,7 +29,10 @@ chunk holding an unconfirmed refusal and saves none in a partial (worker.py); a 
 smaller is ServerBroken (the refusals are dropped, their prompts redone by the fleet). Before
 (issue 39) the refusals of a server restarted mid-run were committed as the prompts' error rows
 until 20 of its last 40 results were refusals. The check is one GET of the server's info on a
-daemon thread of its own; dispatch goes on meanwhile (a refusal only holds its chunk). Their rows stay error rows, the window is cleared, and a new suspicion
+daemon thread of its own; dispatch goes on meanwhile (a refusal only holds its chunk). A check
+that cannot read the context is tried again every second; after CONTEXT_CHECK_GIVE_UP_S of that,
+the refusals it covers are confirmed (as before: nothing shows a peer would serve them), so no
+chunk is held forever. Their rows stay error rows, the window is cleared, and a new suspicion
 needs a full `breaker_window` of results. A judgement that cannot get an answer (the server
 failing transiently) decides nothing; the worker resumes and may suspect again 5 s later.
 
@@ -68,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 CANARY_MESSAGES = [{"role": "user", "content": "Reply with OK."}]
 JUDGE_AGAIN_S = 5.0
+#: A context check that cannot read the server's context this long confirms the refusals it covers.
+CONTEXT_CHECK_GIVE_UP_S = 30.0
 
 
 def fleet_context(servers: list[dict[str, Any]] | None) -> tuple[int | None, str | None]:
@@ -118,6 +123,7 @@ class Breaker:
         self._ctx_started_t = 0.0
         self._ctx_retry_t = 0.0
         self._ctx_verdict: tuple[str, str] | None = None
+        self._ctx_undecided_since: float | None = None
         self.context_checks = 0
 
     @property
@@ -201,12 +207,25 @@ class Breaker:
                 f"without them."
             )
         if verdict == "ok":
+            self._ctx_undecided_since = None
             self._ctx_ok_t = max(self._ctx_ok_t, self._ctx_started_t)
             self._start_context_check()
             return True
+        now = time.monotonic()
+        if self._ctx_undecided_since is None:
+            self._ctx_undecided_since = now
+        if now - self._ctx_undecided_since >= CONTEXT_CHECK_GIVE_UP_S:
+            # Never hold a chunk forever on a server whose info cannot be read: as before the
+            # check, nothing then shows a peer would serve those prompts.
+            logger.warning("server %s: its context length could not be checked for %.0fs (%s); its context "
+                           "refusals so far are taken as the prompts'", self.settings.server.name,
+                           now - self._ctx_undecided_since, why)
+            self._ctx_undecided_since = None
+            self._ctx_ok_t = max(self._ctx_ok_t, self._ctx_started_t)
+            return True
         logger.info("server %s: its context length could not be checked (%s); checking again",
                     self.settings.server.name, why)
-        self._ctx_retry_t = time.monotonic() + 1.0
+        self._ctx_retry_t = now + 1.0
         return False
 
     def _start_context_check(self) -> None:
