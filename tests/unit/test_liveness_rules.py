@@ -115,7 +115,8 @@ def test_a_context_refusal_is_confirmed_only_by_a_check_started_after_it() -> No
         assert _wait_for(lambda: breaker.poll_context() and False, timeout_s=2.0)
 
 
-def test_a_context_check_that_cannot_read_the_context_gives_up_in_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_context_check_that_cannot_read_the_context_gives_up_in_time(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from dflash_pipeline.serving.sglang import RequestFailure
     from dflash_pipeline.steps.generate import breaker as breaker_module
 
@@ -124,8 +125,8 @@ def test_a_context_check_that_cannot_read_the_context_gives_up_in_time(monkeypat
     def unreadable() -> int | None:
         raise RequestFailure("ConnectionError", "refused", kind="transient")
 
-    breaker = breaker_module.Breaker(_settings(), lambda: None, fleet_servers=[{"name": "s", "context_length": 4352}],
-                                     context_now=unreadable)
+    breaker = breaker_module.Breaker(_settings(), lambda: None,
+                                     fleet_servers=[{"name": "s", "context_length": 4352}], context_now=unreadable)
     t0 = time.monotonic()
     breaker.context_refused(t0)
     assert not _wait_for(lambda: breaker.poll_context(), timeout_s=0.2), "undecided at first"

@@ -41,15 +41,16 @@ context (a template failing only on some messages) is judged the prompts'; its e
 counted by class and validate's max_error_rate reports them.
 
 Threads and owners: main calls `record`, `deciding`, `poll`, `context_refused`, `poll_context` and
-`confirmed` (`_ctx_*` are main's but `_ctx_verdict`, which only the context-check thread writes); while `deciding`, main sends no new
-request and completes no chunk (worker.py), so no error row of a server being judged is committed.
-The judgement runs on one daemon thread (HTTP, bounded timeouts: the canary at most 30 s, the
-context probe 10 s), which writes only `_verdict` (an exception in it is an "undecided" verdict);
-main never waits for it, so a stop is never delayed by it. What main does with the verdict is
-verdicts.py. A kill takes the thread with it (nothing committed while deciding, nothing saved
-here). A stop or an exception on main while deciding ends the run through `Closer.give_up` with
-`keep_errors` and `finish_complete` off (worker.py asks `deciding`): no chunk is committed and the
-suspect's permanent error rows are neither handed back nor checkpointed; their prompts are redone.
+`confirmed` (`_ctx_*` are main's but `_ctx_verdict`, which only the context-check thread writes);
+while `deciding`, main sends no new request and completes no chunk (worker.py), so no error row of a
+server being judged is committed. The judgement runs on one daemon thread (HTTP, bounded timeouts:
+the canary at most 30 s, the context probe 10 s), which writes only `_verdict` (an exception in it
+is an "undecided" verdict); main never waits for it, so a stop is never delayed by it. What main
+does with the verdict is verdicts.py. A kill takes the thread with it (nothing committed while
+deciding, nothing saved here). A stop or an exception on main while deciding ends the run through
+`Closer.give_up` with `keep_errors` and `finish_complete` off (worker.py asks `deciding`): no chunk
+is committed and the suspect's permanent error rows are neither handed back nor checkpointed; their
+prompts are redone.
 """
 
 from __future__ import annotations

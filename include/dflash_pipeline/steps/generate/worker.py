@@ -24,8 +24,11 @@ Threads and what they own (each shared thing has one owner object with a narrow 
 - renewer (chunks.LeaseKeeper): renewals; a refused one ends the lease (TAKEN_OVER), and the chunk
   reads itself as dropped from its lease (chunks.py invariant 8), so no flag has to be set in time.
 - ServerHealth (failing.py): whether the server is failing, and its generation probe.
-- Breaker (breaker.py): the permanent-error tally and its judge thread's verdict; main polls it and
-  acts on it (verdicts.py, main only).
+- Breaker (breaker.py): the permanent-error tally, its judge thread's verdict and its context
+  check; main polls them and acts on them (verdicts.py, main only). A context refusal is held in
+  its chunk's `unconfirmed` (main's) until a check started after it confirms it: such a chunk is
+  not completed, and the refusal is in no partial (`_kept_rows`), so a server restarted with a
+  smaller context commits none of its refusals.
 - PartialWriter (handback.py): every partial write, serialized per chunk.
 - request threads: one unit each (all its turns); they read their chunk's `dropped` and the stop.
 - pilot (serving/pilot.py): the in-flight limit; main and the claimer only read it.
