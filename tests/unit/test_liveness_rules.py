@@ -84,3 +84,50 @@ def test_liveness_faults_have_their_own_stream_and_whole_unservable_chunks() -> 
         tokens = count_prompt_tokens([{"role": "user", "content": json.loads(line)["prompt"]}])
         fits = tokens + Sampling().max_tokens <= CONTEXT_LENGTH
         assert fits == (i not in long), (i, tokens)
+
+
+def _checked(breaker, t: float) -> bool:  # type: ignore[no-untyped-def]
+    """Poll the breaker's context check until it answers for a refusal at `t` (issue 39)."""
+    return _wait_for(lambda: breaker.poll_context() or breaker.confirmed(t))
+
+
+def test_a_context_refusal_is_confirmed_only_by_a_check_started_after_it() -> None:
+    """Issue 39: the server is judged against its own context at preflight (a smaller server of a
+    mixed fleet is not broken), and a refusal is the prompt's only after a check started after it."""
+    import pytest
+
+    from dflash_pipeline.steps.generate.breaker import Breaker
+    from dflash_pipeline.steps.generate.state import ServerBroken
+
+    fleet = [{"name": "big", "context_length": 8192}, {"name": "s", "context_length": 4352}]
+    context = {"now": 4352}
+    breaker = Breaker(_settings(), lambda: None, fleet_servers=fleet, context_now=lambda: context["now"])
+    t0 = time.monotonic()
+    assert not breaker.confirmed(t0), "nothing checked yet"
+    breaker.context_refused(t0)
+    assert _checked(breaker, t0) and breaker.confirmed(t0), "4352 as at preflight: the prompt's"
+    later = time.monotonic() + 0.01
+    assert not breaker.confirmed(later), "a refusal after the check waits for the next one"
+    context["now"] = 4108  # restarted smaller
+    time.sleep(0.02)
+    breaker.context_refused(time.monotonic())
+    with pytest.raises(ServerBroken, match="4108 tokens, it had 4352 at preflight"):
+        assert _wait_for(lambda: breaker.poll_context() and False, timeout_s=2.0)
+
+
+def test_a_context_check_that_cannot_read_the_context_gives_up_in_time(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from dflash_pipeline.serving.sglang import RequestFailure
+    from dflash_pipeline.steps.generate import breaker as breaker_module
+
+    monkeypatch.setattr(breaker_module, "CONTEXT_CHECK_GIVE_UP_S", 0.3)
+
+    def unreadable() -> int | None:
+        raise RequestFailure("ConnectionError", "refused", kind="transient")
+
+    breaker = breaker_module.Breaker(_settings(), lambda: None,
+                                     fleet_servers=[{"name": "s", "context_length": 4352}], context_now=unreadable)
+    t0 = time.monotonic()
+    breaker.context_refused(t0)
+    assert not _wait_for(lambda: breaker.poll_context(), timeout_s=0.2), "undecided at first"
+    assert _wait_for(lambda: breaker.poll_context(), timeout_s=3.0) and breaker.confirmed(t0)

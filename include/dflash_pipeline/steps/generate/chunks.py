@@ -45,12 +45,14 @@ Invariants (what makes a row exactly once and a run never hang):
    (invariant 1 keeps it exact), so a stalled-but-finished worker's GPU work is not wasted. Nor
    when a commit fails: the chunk stays in the Ledger (marked failed) and the stop path saves all
    its rows as the chunk's partial, complete chunks before open ones.
-4. A lease we hold is renewed every lease/4 in every non-final state, each renewal on its own
-   thread, so a slow commit or one stuck renewal never lets a peer take over healthy work.
+4. A lease we hold is renewed every lease/4 (at most RENEW_EVERY_MAX_S) in every non-final state,
+   counted from when the last renewal was sent, each renewal on its own thread, so a slow commit
+   or one stuck renewal never lets a peer take over healthy work.
 5. Kill: SIGKILL loses the open chunks' rows finished since their last checkpoint (main saves
    finished rows as partials every `checkpoint_every_s`) and leaves claims that expire after
    `lease_s` (the task's own retry takes them back once they go `quiet_after_s` unrenewed: one
-   renewal period, so an earlier try that is still running keeps its chunks).
+   renewal period and one for its write, so an earlier try that is still running keeps its
+   chunks, slow S3 writes included).
    SIGTERM / an exception: one absolute deadline (the stop grace after the request; it also bounds
    the end of a run that completes as the stop arrives). The committer commits complete chunks
    until half the time left when the stop path starts; then main owns every lease left and, for all
@@ -230,11 +232,20 @@ class ChunkStore:
         # send): chunk -> its nonce, kept until S3 says whose the key is (`recover`, or the next
         # claim of that chunk, which re-sends the same nonce). Owner: the claimer thread (the only
         # caller of `claim`, `recover` and `is_pending`); the lock only guards against a future
-        # reader elsewhere. A kill or a stop forgets these nonces: a claim that did land is then
-        # nobody's known lease; it expires after `lease_s` for peers, and this task's retry takes
-        # it back once it is `quiet_after_s` unrenewed (claiming.Claimer._find_own_stale).
+        # reader elsewhere. Set from a claim's first send until it settles. A stop looks each one up
+        # and releases it if it holds our nonce (stopping.Closer); a kill forgets them: a claim that
+        # did land is then nobody's known lease; it expires after `lease_s` for peers, and this
+        # task's retry takes it back once it is `quiet_after_s` unrenewed
+        # (claiming.Claimer._find_own_stale).
         self._pending: dict[int, str] = {}
         self._pending_lock = threading.Lock()
+
+    def pending(self) -> list[int]:
+        """Chunks whose claim of ours may exist unanswered: a claim attempt that sent and has not
+        settled (still being re-sent, or ended StoreUnavailable). The stop path looks each up by
+        its nonce and releases it (stopping.Closer), so no such claim waits out its lease."""
+        with self._pending_lock:
+            return sorted(self._pending)
 
     def is_pending(self, chunk: int) -> bool:
         """Whether a claim of ours on `chunk` may exist although its write was never answered."""
@@ -290,6 +301,9 @@ class ChunkStore:
         def put() -> str:
             nonlocal sends
             sends += 1
+            if sends == 1:  # from the first send on, the claim may exist: a stop must look for it
+                with self._pending_lock:
+                    self._pending[chunk] = nonce
             return self.store.put(
                 key, self.claim_body(nonce), if_none_match=prev is None,
                 if_match=None if prev is None else prev.etag,
@@ -331,6 +345,10 @@ class ChunkStore:
         was lost changed the ETag without telling us, and that claim is still ours."""
         key = self.claim_key(lease.chunk)
         renewal = lease.renewals + 1
+        # The renewal counts from when it was sent, not from when its answer came: the next one is
+        # due one period after this one left, however long this write took to land (a slow S3
+        # must not stretch the gaps between the claim's Last-Modified, which `quiet_after_s` bounds).
+        sent_t = time.monotonic()
         try:
             etag = self.store.put(key, self.claim_body(lease.nonce, renewal), if_match=lease.etag,
                                   content_type="application/json", metadata={"nonce": lease.nonce})
@@ -345,7 +363,7 @@ class ChunkStore:
         with lease.lock:
             lease.etag = etag
             lease.renewals = renewal
-            lease.last_renewed_t = time.monotonic()
+            lease.last_renewed_t = sent_t
         return True
 
     def release(self, lease: Lease, deadline_s: float, should_stop: Callable[[], bool] | None = None) -> bool:
@@ -481,10 +499,10 @@ class LeaseKeeper:
                 return
 
 
-#: The longest time between two renewals of a claim, whatever the lease. A task's own retry waits one
-#: renewal period for its earlier try's claims (`quiet_after_s`), so the period, not the lease, bounds
-#: how long a retry after a SIGKILL waits; renewing a claim every 15 s costs one conditional PUT.
-RENEW_EVERY_MAX_S = 15.0
+#: The longest time between two renewals of a claim, whatever the lease. A task's own retry waits two
+#: renewal periods for its earlier try's claims (`quiet_after_s`), so the period, not the lease, bounds
+#: how long a retry after a SIGKILL waits (22 s); renewing a claim every 10 s costs one conditional PUT.
+RENEW_EVERY_MAX_S = 10.0
 
 
 def renew_every_s(lease_s: float) -> float:
@@ -495,11 +513,15 @@ def renew_every_s(lease_s: float) -> float:
 
 def quiet_after_s(lease_s: float) -> float:
     """A claim not renewed for this long is not being renewed by a live worker: one renewal period,
-    the renewer's poll (half a period, at most 1 s) and 1 s for S3's one-second Last-Modified. A
-    retry waits this long for its earlier try's claims (a SIGKILLed try stops renewing at once, a
-    still-running one keeps renewing and keeps its chunks): 17 s for any lease of 60 s or more."""
+    one more for the renewal's own write (a renewal is sent a period after the last one was sent,
+    or when that one's write returns if it took longer: a write taking up to a period to land
+    still lands within two), the renewer's poll (half a period, at most 1 s) and 1 s for S3's
+    one-second Last-Modified. A retry waits this long for its earlier try's claims (a SIGKILLed
+    try stops renewing at once, a still-running one keeps renewing and keeps its chunks): 22 s for
+    any lease of 40 s or more. Before (issue 39) the write had no allowance: with claim PUTs taking
+    3 s a live earlier try's renewals landed 5-6 s apart, past the 4 s wait of an 8 s lease."""
     every = renew_every_s(lease_s)
-    return every + min(1.0, every / 2) + 1.0
+    return 2 * every + min(1.0, every / 2) + 1.0
 
 
 def claim_body(owner: str, worker: str, server: str, run_id: str, try_number: int) -> Callable[..., bytes]:

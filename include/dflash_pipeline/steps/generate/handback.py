@@ -86,13 +86,24 @@ class PartialWriter:
 
 
 def hand_back(jobs: list[tuple[Lease, list[dict[str, Any]]]], *, partials: PartialWriter, chunks: ChunkStore,
-              deadline: Deadline) -> int:
+              deadline: Deadline, unanswered: list[int] | tuple[int, ...] = ()) -> int:
     """For each (lease already RELEASED by its owner, rows): save the rows as the chunk's partial,
     then delete the claim; all chunks at once, in the order given (complete chunks first is the
-    caller's choice), each bounded by `deadline()`, re-read while waiting. Returns the rows saved
-    by the deadline."""
+    caller's choice), each bounded by `deadline()`, re-read while waiting. `unanswered`: chunks
+    whose claim of ours may exist with its answer lost (ChunkStore.pending, no lease known): each
+    is looked up by its nonce and deleted if ours, at the same time. Returns the rows saved by
+    the deadline."""
     saved = [0]
     lock = threading.Lock()
+
+    def lost_answer(chunk: int) -> None:
+        left = lambda: max(0.1, deadline() - time.monotonic())  # noqa: E731
+        try:
+            lease = chunks.recover(chunk, deadline_s=left())
+            if lease is not None and time.monotonic() < deadline():
+                chunks.release(lease, deadline_s=left(), should_stop=lambda: time.monotonic() >= deadline())
+        except Exception as exc:  # noqa: BLE001 - the claim then expires with its lease
+            logger.warning("could not release the claim of chunk %d whose answer was lost: %s", chunk, exc)
 
     def one(lease: Lease, rows: list[dict[str, Any]]) -> None:
         left = lambda: max(0.1, deadline() - time.monotonic())  # noqa: E731
@@ -111,6 +122,8 @@ def hand_back(jobs: list[tuple[Lease, list[dict[str, Any]]]], *, partials: Parti
 
     threads = [threading.Thread(target=one, args=job, name=f"handback-{job[0].chunk}", daemon=True)
                for job in jobs]
+    threads += [threading.Thread(target=lost_answer, args=(c,), name=f"unanswered-{c}", daemon=True)
+                for c in unanswered]
     for t in threads:
         t.start()
     for t in threads:

@@ -39,6 +39,17 @@ def judge(completion: Completion, sampling: Sampling, thinking: bool | None = No
     return completion
 
 
+#: Answers that refuse a request without generating it: a full queue (SGLang's 503 "The request
+#: queue is full.", a 503 in front of the engine) or a rate limit. Only these mean "busy"
+#: (worker.py): any other failure on a server that runs others may be the prompt's and is counted.
+REFUSALS = (429, 503)
+
+
+def refused(failure: RequestFailure) -> bool:
+    """The server refused this request without generating it (REFUSALS), nothing else."""
+    return failure.transient and failure.status in REFUSALS
+
+
 def unexpected_failure(exc: BaseException) -> RequestFailure:
     """A request thread's unexpected exception as one row's (transient) failure."""
     return RequestFailure("UnexpectedError", f"{type(exc).__name__}: {exc}", kind="transient")

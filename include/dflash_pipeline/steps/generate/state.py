@@ -58,6 +58,9 @@ class OpenChunk:
     # Times each unit was put back because the server (not the prompt) failed; main only. Lives
     # and dies with the chunk, so it never grows with the dataset.
     requeues: dict[str, int] = field(default_factory=dict)
+    # Context refusals not yet confirmed as the prompts' (unit key -> when refused, breaker.py's
+    # context check); main only. A chunk holding one is neither completed nor saved with it.
+    unconfirmed: dict[str, float] = field(default_factory=dict)
     # Requests of this chunk out on request threads; main only. A hand-off leaves a chunk with some
     # out until they are back, so a generation finishing in flight is never thrown away.
     in_flight: int = 0

@@ -24,7 +24,8 @@ Two endings:
   first (a claim it completes after this it releases itself); complete open chunks are queued; the
   committer commits queued chunks until half the time left, then takes no more; then main owns
   every lease left and hands back, all at once, the chunks not committed (complete ones first, then
-  open ones' finished rows) and parked claims. A commit still in flight when main releases its lease
+  open ones' finished rows), parked claims, and claims whose answer was lost (found by their
+  nonce: `ChunkStore.pending`). A commit still in flight when main releases its lease
   may still land: chunks.py invariant 1 keeps the part exact, and a partial left beside a part is
   swept at the end of a later run. Errors other threads met on the way are logged, never dropped
   (run() raises what made it give up): S3 not answering within the stop's time as a warning (an
@@ -111,14 +112,23 @@ class Closer:
     def thread_error(self) -> BaseException | None:
         return self.committer.error or self.claimer.error or self.keeper.error
 
-    def hand_off(self, why: str, jobs: list[Job], deadline: Callable[[], float]) -> None:
+    def hand_off(self, why: str, jobs: list[Job], deadline: Callable[[], float], unanswered: list[int] | None = None
+                 ) -> None:
         """Save each job's rows as its chunk's partial and release its claim, all at once, by `deadline`
-        (re-read: a stop arriving shortens it)."""
-        saved = hand_back(jobs, partials=self.partials, chunks=self.chunks, deadline=deadline)
+        (re-read: a stop arriving shortens it); `unanswered` (the end of a run only: the claimer
+        has stopped): claims whose answer was lost, released if they are ours (`_unanswered`)."""
+        saved = hand_back(jobs, partials=self.partials, chunks=self.chunks, deadline=deadline,
+                          unanswered=unanswered or [])
         if jobs:
             self._count("handoffs", len(jobs))
             logger.warning("%s: released %d unfinished chunk(s) to the other servers (%d finished rows saved)",
                            why, len(jobs), saved)
+
+    def _unanswered(self) -> list[int]:
+        """Chunks whose claim of ours may exist although no answer said so (ChunkStore.pending: lost
+        while its re-send was retried, or given up on at the stop) and that no lease of ours knows:
+        the end of a run looks each up by its nonce and releases it, or peers wait out its lease."""
+        return [c for c in self.chunks.pending() if not self.leases.held(c)]
 
     def end_normally(self) -> None:
         s = self.settings
@@ -137,10 +147,11 @@ class Closer:
         self.leases.give_up_owner = "main"
         jobs: list[Job] = [(lease, []) for lease in [*self.claimer.release_parked(), *self.leases.live()]
                            if lease.state is not State.COMMITTING and self.leases.move(lease, State.RELEASED, "main")]
-        if jobs:
+        unanswered = self._unanswered()
+        if jobs or unanswered:
             started = time.monotonic()
             hand_back(jobs, partials=self.partials, chunks=self.chunks,
-                      deadline=lambda: min(started + 30.0, self.stop.deadline()))
+                      deadline=lambda: min(started + 30.0, self.stop.deadline()), unanswered=unanswered)
         self.keeper.stop(timeout_s=left(5.0, time.monotonic()))
         err = self.thread_error()
         if err is not None:
@@ -185,7 +196,7 @@ class Closer:
         for lease in [*self.claimer.release_parked(), *self.leases.live()]:  # parked, or claimed late
             if self.leases.move(lease, State.RELEASED, "main"):
                 jobs.append((lease, []))
-        self.hand_off("stopping", jobs, deadline)
+        self.hand_off("stopping", jobs, deadline, unanswered=self._unanswered())
         self.keeper.stop(timeout_s=max(0.0, deadline() - time.monotonic()))
         for name, err in (("committer", self.committer.error), ("claimer", self.claimer.error),
                           ("lease keeper", self.keeper.error)):

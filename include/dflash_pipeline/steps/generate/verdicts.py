@@ -41,20 +41,25 @@ class Verdicts:
         self._take_open = take_open
 
     def judge(self) -> None:
-        """The breaker's verdict, once in. Broken: this server's permanent error rows are taken
-        out of its open chunks (none of them is committed; their prompts are redone elsewhere) and
-        ServerBroken raised. Otherwise the chunks completed while it was judged go to the committer."""
+        """The breaker's verdicts, once in: its judgement and its context check. Broken: this
+        server's permanent error rows are taken out of its open chunks (none of them is committed;
+        their prompts are redone elsewhere) and ServerBroken raised. Otherwise the chunks completed
+        while it was judged, or held for an unconfirmed context refusal, go to the committer
+        (`finish_chunk` keeps those still unconfirmed open)."""
         try:
             verdict = self.breaker.poll()
+            confirmed = self.breaker.poll_context()
         except ServerBroken:
             for chunk in self.ledger.open_chunks():
                 chunk.results = {k: r for k, r in chunk.results.items()
                                  if not r.get("error_class") or r.get("retryable")}
+                chunk.unconfirmed.clear()
             raise
-        if verdict is None:
+        if verdict is not None:
+            self.stats.breaker_checks += 1
+            self.stats.prompt_verdicts += verdict == "prompts"
+        if (verdict is None and not confirmed) or self.breaker.deciding:
             return
-        self.stats.breaker_checks += 1
-        self.stats.prompt_verdicts += verdict == "prompts"
         for chunk in self.ledger.open_chunks():
             if chunk.complete and not chunk.dropped and chunk.lease is not None \
                     and chunk.lease.state in (State.OPEN, State.REPAIRING):

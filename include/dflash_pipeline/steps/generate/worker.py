@@ -24,8 +24,11 @@ Threads and what they own (each shared thing has one owner object with a narrow 
 - renewer (chunks.LeaseKeeper): renewals; a refused one ends the lease (TAKEN_OVER), and the chunk
   reads itself as dropped from its lease (chunks.py invariant 8), so no flag has to be set in time.
 - ServerHealth (failing.py): whether the server is failing, and its generation probe.
-- Breaker (breaker.py): the permanent-error tally and its judge thread's verdict; main polls it and
-  acts on it (verdicts.py, main only).
+- Breaker (breaker.py): the permanent-error tally, its judge thread's verdict and its context
+  check; main polls them and acts on them (verdicts.py, main only). A context refusal is held in
+  its chunk's `unconfirmed` (main's) until a check started after it confirms it: such a chunk is
+  not completed, and the refusal is in no partial (`_kept_rows`), so a server restarted with a
+  smaller context commits none of its refusals.
 - PartialWriter (handback.py): every partial write, serialized per chunk.
 - request threads: one unit each (all its turns); they read their chunk's `dropped` and the stop.
 - pilot (serving/pilot.py): the in-flight limit; main and the claimer only read it.
@@ -34,7 +37,10 @@ Failure handling (docs/liveness.md). A failed request is a row (outcomes.py). A 
 (failing.py: transient failures, nothing succeeding, no sign of life) gets nothing new and a 1-token
 probe; after `handoff_after_s` its open chunks go to the fleet (finished rows saved as partials; a
 chunk with requests in flight only once they are back), after `server_lost_after_s` ServerLost. A
-busy server (requests running, ours in flight) is not failing: what it refuses goes back in line.
+busy server (requests running, ours in flight) is not failing: what it refuses without generating
+(503 queue full, 429: `outcomes.refused`) goes back in line uncounted and lowers the in-flight cap;
+any other transient failure there (a 500 for one input, an abort, a reset, a second timeout) is the
+prompt's counted put-back (at most MAX_REQUEUES, then an error row) and lowers nothing.
 A server answering mostly permanent errors is paused and judged (breaker.py): ServerBroken only
 when it refuses what its peers serve. What main does with either verdict is verdicts.py. `request_stop()` (SIGTERM) ends `run()` within
 `stop_grace_s`, a hand-off in progress included: complete chunks are committed or saved first,
@@ -77,7 +83,7 @@ from dflash_pipeline.steps.generate.committing import Committer
 from dflash_pipeline.steps.generate.failing import ServerHealth, ShedCap
 from dflash_pipeline.steps.generate.handback import PartialWriter
 from dflash_pipeline.steps.generate.ledger import Ledger
-from dflash_pipeline.steps.generate.outcomes import error_row
+from dflash_pipeline.steps.generate.outcomes import error_row, refused
 from dflash_pipeline.steps.generate.pool import DaemonPool, RequestPool
 from dflash_pipeline.steps.generate.requesting import do_request
 from dflash_pipeline.steps.generate.scan import Scanner
@@ -264,9 +270,28 @@ class Worker:
         if self._demand(self.claimer.lookahead_s()):
             self.claimer.wake.set()
 
+    def _settled(self, chunk: OpenChunk) -> bool:
+        """No context refusal of the chunk waits for the breaker's context check (breaker.py)."""
+        if chunk.unconfirmed:
+            chunk.unconfirmed = {k: t for k, t in chunk.unconfirmed.items() if not self.breaker.confirmed(t)}
+        return not chunk.unconfirmed
+
+    def _kept_rows(self, chunk: OpenChunk, keep_errors: bool) -> list[dict[str, Any]]:
+        """The rows that are results for good, to save in a partial: completions, and permanent
+        errors when `keep_errors` and confirmed as the prompts' (never a context refusal the
+        breaker has not confirmed, nor a transient error row)."""
+        self._settled(chunk)
+        return [r for k, r in chunk.results.items()
+                if not r.get("error_class")
+                or (keep_errors and not r.get("retryable") and k not in chunk.unconfirmed)]
+
     def _finish_chunk(self, chunk: OpenChunk) -> None:
-        """Every row is in: hand the chunk to the committer (unless a peer took it over first)."""
+        """Every row is in: hand the chunk to the committer (unless a peer took it over first). A
+        chunk holding an unconfirmed context refusal stays open: main finishes it once the
+        breaker's context check confirms it (verdicts.py), or hands it back without the refusal."""
         assert chunk.lease is not None
+        if not self._settled(chunk):
+            return
         if not self.leases.move(chunk.lease, State.QUEUED, "main"):
             self.ledger.forget(chunk)
             self._count("rows_discarded", len(chunk.results))
@@ -304,32 +329,42 @@ class Worker:
             if f.kind == "config":
                 raise ServerConfigError(f"server {self.settings.server.name} refused the request: {f.message}")
             pid = unit_key(out.prompt)
-            if f.transient and self.health.servers_fault(out.last_failure_t) and not self.health.failing \
-                    and self.health.busy(self.in_flight):
-                # Busy, not failing (failing.py): refused (503 queue full) while running ours. Not
-                # the prompt's fault nor a reason to pause: back in line, uncounted, fewer in flight.
+            servers_fault = f.transient and self.health.servers_fault(out.last_failure_t)
+            busy = servers_fault and not self.health.failing and self.health.busy(self.in_flight)
+            if busy and refused(f):
+                # Busy, not failing (failing.py): refused (503 queue full, 429) without generating,
+                # while running ours. Not the prompt's fault nor a reason to pause: back in line,
+                # uncounted, fewer in flight.
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
                 self.stats.busy_requeues += 1
                 self.shed.shed(self.in_flight)
                 return
-            if f.transient and self.health.servers_fault(out.last_failure_t) and (
-                    self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
-                # Nothing succeeded since this request last failed: the server, not the prompt, is
-                # the problem. Put it back; it is not an error row. While the server is failing
-                # this costs no requeue (nothing is sent until it generates again); otherwise the
-                # count is bounded, so one prompt that always fails ends as an error row.
+            if servers_fault and (self.health.failing or chunk.requeues.get(pid, 0) < MAX_REQUEUES):
+                # Nothing succeeded since this request last failed: perhaps the server, perhaps the
+                # prompt. Put it back; it is not an error row yet. While the server is failing this
+                # costs no requeue (nothing is sent until it generates again); otherwise the count
+                # is bounded (a 500 for this input, an abort, a reset, a second timeout on a busy
+                # server included), so one prompt that always fails ends as an error row. A busy
+                # server (a sign of life) is not failing: nothing is paused, the cap is not lowered.
                 if not self.health.failing:
                     chunk.requeues[pid] = chunk.requeues.get(pid, 0) + 1
                 self.pending.appendleft((chunk, out.prompt))
                 self.stats.requests_requeued += 1
-                self.health.failed(f.message)
+                if not busy:
+                    self.health.failed(f.message)
                 return
             row = self._error_row(out)
             self.stats.errors += 1
             self.stats.errors_by_class[f.error_class] = self.stats.errors_by_class.get(f.error_class, 0) + 1
             if not f.transient:
                 self.stats.permanent_errors += 1
+            if f.error_class == "ContextLengthExceeded":
+                # It may be the server's (a restart with a smaller context): held until the
+                # breaker's context check, started after it, confirms it (breaker.py).
+                refused_t = out.last_failure_t if out.last_failure_t is not None else time.monotonic()
+                chunk.unconfirmed[unit_key(row)] = refused_t
+                self.breaker.context_refused(refused_t)
             self.breaker.record(f)
         chunk.results[unit_key(row)] = row
         if chunk.complete and not self.breaker.deciding:  # held while the breaker judges (breaker.py)
@@ -349,10 +384,10 @@ class Worker:
                 continue
             if not self.leases.move(lease, State.RELEASED, "main"):
                 continue  # taken over meanwhile: the peer has it
-            # Completions (and permanent errors, unless this server is the problem); never transient
-            # error rows, which a failing server or the stop itself may have caused.
-            rows = [r for r in chunk.results.values()
-                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
+            # Completions (and permanent errors, unless this server is the problem or the breaker
+            # has not confirmed them); never transient error rows, which a failing server or the
+            # stop itself may have caused.
+            rows = self._kept_rows(chunk, keep_errors)
             jobs.append((lease, rows if chunk.base_rows is None else []))
         return jobs
 
@@ -369,8 +404,7 @@ class Worker:
                 continue
             # Permanent errors are results for good, unless the breaker is judging this server.
             keep_errors = not self.breaker.deciding
-            rows = [r for r in chunk.results.values()
-                    if not r.get("error_class") or (keep_errors and not r.get("retryable"))]
+            rows = self._kept_rows(chunk, keep_errors)
             if not rows:
                 continue
             chunk.checkpointed = len(chunk.results)
