@@ -99,6 +99,21 @@ def print_conversation(s3: Any, bucket: str, prefix: str, width: int = 110) -> N
     print("No multi-turn row in this dataset (run with --regenerate all_turns).")
 
 
+def server_connections(af: Any, urls: list[str]) -> list[str]:
+    """One Airflow connection per simulated server, named for what it plays: the run's page and report name
+    servers by connection, so the warning about the first one (an old SGLang without token ids, on purpose)
+    says where it comes from. One `connections import` (each Airflow CLI call costs seconds)."""
+    conns = {}
+    for i, url in enumerate(urls):
+        name = "demo-old-sglang-without-token-ids" if i == 0 else "demo-sglang" if i == 1 else f"demo-vllm-{i - 1}"
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conns[name] = {"conn_type": "http", "host": host, "port": int(port)}
+    path = af.home / "demo-connections.json"
+    path.write_text(json.dumps(conns))
+    af.cli("connections", "import", "--overwrite", str(path), check=True)
+    return list(conns)
+
+
 def cli_line(airflow_home: Path, *args: str) -> str:
     """The exact command line for the venv's `airflow` against the demo stack (from the current directory).
 
@@ -260,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                   f" -> {prompts_uri}")
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 stack.s3().upload_file(str(tok_dir / name), BUCKET, f"{TOKENIZER_PREFIX}/{name}")
-            conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": stack.server_urls,
+            conf = {"prompts_uri": prompts_uri, "output_uri": output_uri, "servers": server_connections(af, stack.server_urls),
                     "model": MODEL, "save_every": args.save_every, "tokenizer": f"s3://{BUCKET}/{TOKENIZER_PREFIX}",
                     "regenerate": args.regenerate, "samples_per_prompt": args.samples_per_prompt}
             print(cli_line(af.home, "dags", "trigger", DAG_ID, "--conf", json.dumps(conf)), flush=True)
