@@ -2,8 +2,10 @@
 figures and the fail-fast check, computed while the server generates.
 
 Threads and ownership. The committer calls `committed(chunk, data)` right after the part is in S3; it only
-queues the bytes (a full queue drops the part: validation computes its digest) and never raises, so the
-chunk protocol is untouched. One watcher thread owns everything else: it reads the chunk's planned ids,
+queues the bytes and never raises, so the chunk protocol is untouched; when the queue is full it keeps only
+the chunk's number (`_pending`, under `_lock`), and the watcher thread reads that part back from S3 once the
+queue is empty, so the live figures still cover every part this try committed (they used to miss the parts
+dropped under load, and validation computed those digests). One watcher thread owns everything else: it reads the chunk's planned ids,
 makes the digest (digest.py, the same function validation uses), writes it, folds it into the task's
 LiveTally, writes `runs/<run_id>/quality/<worker>-try<N>.json` (one object per try: a retry's tally starts
 empty, and the parts only an earlier try committed keep their figures in that try's object; a part is
@@ -66,6 +68,10 @@ class PartWatcher:
         self.dropped = 0
         self.digests_written = 0
         self._q: queue.Queue[tuple[int, bytes] | None] = queue.Queue(maxsize=QUEUE_PARTS)
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        """Parts committed while the queue was full: digested from S3 when the queue is empty."""
+        self._close_by: float | None = None
         self._thread = threading.Thread(target=self._run, name="part-digests", daemon=True)
         self._thread.start()
 
@@ -75,20 +81,45 @@ class PartWatcher:
         try:
             self._q.put_nowait((chunk, data))
         except queue.Full:
-            self.dropped += 1
-            logger.warning("digest queue full: part %d's digest is left to validation", chunk)
+            with self._lock:
+                self._pending.append(chunk)
+            logger.info("digest queue full: part %d is digested from S3 later", chunk)
 
     # -- the watcher thread -------------------------------------------------------------------
     def _run(self) -> None:
+        closing = False
         while True:
-            item = self._q.get()
-            if item is None:
-                return
-            chunk, data = item
+            with self._lock:
+                pending = self._pending[0] if self._pending else None
             try:
-                self._digest(chunk, data)
-            except Exception as exc:  # noqa: BLE001 - a digest is an optimisation: validation computes it
-                logger.warning("digest of part %d failed (%r): validation computes it", chunk, exc)
+                item = self._q.get(timeout=0.2) if pending is not None or closing else self._q.get()
+            except queue.Empty:
+                item = ()
+            if item is None:
+                closing = True
+                continue
+            if item == ():  # the queue is empty: a part the full queue could not take, read back from S3
+                if pending is None or (closing and self._close_by is not None and time.monotonic() > self._close_by):
+                    with self._lock:
+                        self.dropped += len(self._pending)
+                    return
+                with self._lock:
+                    self._pending.pop(0)
+                self._safe_digest(pending, None)
+                continue
+            self._safe_digest(*item)
+
+    def _safe_digest(self, chunk: int, data: bytes | None) -> None:
+        try:
+            if data is None:
+                got = with_retries(lambda: self.store.get(self.layout.part_key(chunk)), what="part for its digest",
+                                   deadline_s=self.deadline_s)
+                if got is None:
+                    raise LookupError(f"part {chunk} is not in S3")
+                data = got[0]
+            self._digest(chunk, data)
+        except Exception as exc:  # noqa: BLE001 - a digest is an optimisation: validation computes it
+            logger.warning("digest of part %d failed (%r): validation computes it", chunk, exc)
 
     def _digest(self, chunk: int, data: bytes) -> None:
         started = time.perf_counter()
@@ -133,6 +164,7 @@ class PartWatcher:
     def close(self, timeout_s: float) -> None:
         """Digest what is queued, within `timeout_s` (what is left, validation computes)."""
         end = time.monotonic() + timeout_s
+        self._close_by = end
         while True:
             try:
                 self._q.put(None, timeout=max(0.05, end - time.monotonic()))
