@@ -65,7 +65,8 @@ def dflash_train() -> None:
     def pod_specs(checked: dict[str, Any]) -> list[dict[str, Any]]:
         return checked["pods"]
 
-    @task(retries=2, retry_delay=timedelta(minutes=2))
+    # A retry resumes from the trainer's state in the same work folder (steps/train/local.py).
+    @task(retries=2, retry_delay=timedelta(seconds=20))
     def train_local(job: dict[str, Any]) -> dict[str, Any]:
         from dflash_pipeline import tasks
 
