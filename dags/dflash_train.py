@@ -10,7 +10,8 @@ the card exists); on kubernetes it also builds and checks the pod spec. Then one
 
 - `train_local` (backend `local`; one mapped task per drafter): the trainer as a subprocess in the trainers'
   venv on this worker (CPU), its log streamed here, `drafter/` + `train_log.json` uploaded;
-- `train_pod` (backend `kubernetes`; one mapped KubernetesPodOperator per drafter): SpecForge's
+- `train_pod` (backend `kubernetes`; one mapped task per drafter running the cncf.kubernetes provider's
+  KubernetesPodOperator): SpecForge's
   `scripts/train_dflash.py` under torchrun on the GPUs of a pod (`kubernetes_*` params),
 
 → `card` writes `card.json` last (If-None-Match) and emits the `dflash_drafter` asset event.
@@ -29,7 +30,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk import TriggerRule, dag, get_current_context, task
 
 from dflash_pipeline.config import TRAIN_ESSENTIAL_PARAMS, TRAIN_PARAM_SCHEMAS
@@ -72,6 +72,14 @@ def dflash_train() -> None:
 
         return tasks.train_local(get_current_context()["params"], job)
 
+    # The provider's KubernetesPodOperator, built and run inside the task (tasks.train_pod): importing it at
+    # parse time costs ~1 s per parse of this file. A retry reattaches to the pod a killed try left running.
+    @task(retries=2, retry_delay=timedelta(minutes=1))
+    def train_pod(pod: dict[str, Any]) -> None:
+        from dflash_pipeline import tasks
+
+        tasks.train_pod(pod, get_current_context())
+
     @task(trigger_rule=TriggerRule.NONE_FAILED, outlets=[drafter_asset()])
     def card(checked: dict[str, Any], trained: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         from dflash_pipeline import tasks
@@ -81,10 +89,7 @@ def dflash_train() -> None:
 
     checked = check()
     local = train_local.expand(job=local_jobs(checked))
-    pod = KubernetesPodOperator.partial(
-        task_id="train_pod", get_logs=True, on_finish_action="delete_succeeded_pod", retries=2,
-        startup_timeout_seconds=1800,
-    ).expand_kwargs(pod_specs(checked))
+    pod = train_pod.expand(pod=pod_specs(checked))
     [local, pod] >> card(checked, local)
 
 

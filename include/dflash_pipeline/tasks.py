@@ -520,6 +520,23 @@ def train_local(params: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
                          entry=trainer_entry(cfg.trainer_entry), work_dir=cfg.work_dir)
 
 
+def kubernetes_pod_operator(pod: dict[str, Any]) -> Any:
+    """The provider's KubernetesPodOperator for one drafter's pod (kwargs from steps/train/kubernetes.pod_kwargs):
+    logs streamed to the task log, the pod deleted when it succeeds (kept for a post-mortem when it fails),
+    a retry reattaching to a pod a killed try left running."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+
+    return KubernetesPodOperator(task_id="train_pod", get_logs=True, on_finish_action="delete_succeeded_pod",
+                                 reattach_on_restart=True, startup_timeout_seconds=1800, do_xcom_push=False, **pod)
+
+
+def train_pod(pod: dict[str, Any], context: Any) -> None:
+    """Run the pod to its end; SIGTERM (the task cleared or marked failed) deletes it (the operator's on_kill)."""
+    op = kubernetes_pod_operator(pod)
+    with _stop_on_sigterm(op.on_kill):
+        op.execute(context)
+
+
 def train_cards(params: dict[str, Any], checked: dict[str, list[dict[str, Any]]],
                 trained: list[dict[str, Any]] | None, run_id: str, outlet_events: Any = None) -> list[dict[str, Any]]:
     """Write each trained drafter's card last (If-None-Match); the dflash_drafter event names them all."""
