@@ -154,3 +154,24 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     listed = {o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="drafters/")["Contents"]}
     assert not any(k.startswith(("drafters/d2/", "drafters/d3/")) for k in listed)
     assert s3_client.head_object(Bucket=bucket, Key="drafters/d1/card.json")["ETag"] == etag
+
+    # the card as dflash_eval's prepare reads it (before any request): the lineage the report shows
+    from dflash_pipeline.config import ConfigError, EvalConfig
+    from dflash_pipeline.steps.evaluate.prepare import read_lineages
+
+    def eval_cfg(card_uri: str) -> EvalConfig:
+        return EvalConfig.from_params({"dataset_uri": good.uri, "output_uri": f"s3://{bucket}/evals/e1",
+                                       "drafters": [{"name": "d1", "servers": ["http://127.0.0.1:9"],
+                                                     "card_uri": card_uri}]})
+
+    lin = read_lineages(s3_client, eval_cfg(f"s3://{bucket}/drafters/d1/card.json"),
+                        {"kind": "heldout", "dataset_uri": good.uri})["d1"]
+    assert {k: lin[k] for k in ("dataset", "tokenization", "answers", "trainer", "steps", "seed",
+                                "heldout_of_training_data")} == {
+        "dataset": good.uri, "tokenization": "default", "answers": "regenerated", "trainer": "test-fixture",
+        "steps": 6, "seed": 0, "heldout_of_training_data": True}
+    assert lin["final_loss"] == round(1 / 7, 6)
+    other = read_lineages(s3_client, eval_cfg(f"s3://{bucket}/drafters/d1/"), {"kind": "prompts_uri"})["d1"]
+    assert other["heldout_of_training_data"] is False  # a benchmark: nothing says the drafter never saw it
+    with pytest.raises(ConfigError, match="drafters/d9/card.json does not exist"):
+        read_lineages(s3_client, eval_cfg(f"s3://{bucket}/drafters/d9/card.json"), {})

@@ -174,6 +174,7 @@ def eval_event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
         "status_reasons": list(report.get("status_reasons") or [])[:20],
         "headline_condition": report.get("headline_condition"),
         "drafters": report.get("headline") or {},
+        "lineage": report.get("lineage") or {},
         "ranking": [e["drafter"] for e in ranking if e.get("rank") is not None],
         "ranks": {e["drafter"]: e.get("rank") for e in ranking},
         "paired": paired,
