@@ -478,10 +478,8 @@ def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[st
 
     {"local": [job...], "kubernetes": [job...], "pods": [KubernetesPodOperator kwargs...], "done": [job...]}:
     a job whose card exists with the same settings is 'done' (nothing to train; its card is re-announced)."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     from dflash_pipeline.steps.handoff import TOKENIZED_FORMAT
-    from dflash_pipeline.steps.train import TrainRefused, check_train, jobs_for
+    from dflash_pipeline.steps.train.checks import check_train, jobs_for
     from dflash_pipeline.steps.train.kubernetes import pod_kwargs
 
     cfg = train_config(params)
@@ -490,28 +488,25 @@ def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[st
                 if (getattr(ev, "extra", None) or {}).get("format") == TOKENIZED_FORMAT]
     out: dict[str, list[dict[str, Any]]] = {"local": [], "kubernetes": [], "pods": [], "done": []}
     client = s3_client(cfg.aws_conn_id)
-    try:
-        with _fail_fast():
-            pairs = jobs_for(cfg, datasets)
-            for uri, tokenization in pairs:
-                job = check_train(client, cfg, uri, tokenization, several=len(pairs) > 1)
-                logger.info("drafter %s (%s): %s on %s tokenization %r", job["name"], job["prefix"], job["status"],
-                            uri, tokenization)
-                if job["status"] == "done":
-                    out["done"].append(job)
-                elif cfg.backend == "kubernetes":
-                    out["kubernetes"].append(job)
-                    out["pods"].append(pod_kwargs(job, cfg))
-                else:
-                    out["local"].append(job)
-    except TrainRefused as exc:
-        raise AirflowFailException(f"TrainRefused: {exc}") from exc
+    with _fail_fast():  # TrainRefused is a ConfigError: the task fails at once, no retry
+        pairs = jobs_for(cfg, datasets)
+        for uri, tokenization in pairs:
+            job = check_train(client, cfg, uri, tokenization, several=len(pairs) > 1)
+            logger.info("drafter %s (%s): %s on %s tokenization %r", job["name"], job["prefix"], job["status"],
+                        uri, tokenization)
+            if job["status"] == "done":
+                out["done"].append(job)
+            elif cfg.backend == "kubernetes":
+                out["kubernetes"].append(job)
+                out["pods"].append(pod_kwargs(job, cfg))
+            else:
+                out["local"].append(job)
     return out
 
 
 def train_local(params: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     """Run the trainer in the trainers' venv on this worker; upload the drafter (not the card)."""
-    from dflash_pipeline.steps.train import run_local
+    from dflash_pipeline.steps.train.local import run_local
     from dflash_pipeline.steps.train.local import trainer_entry, trainers_python
 
     cfg = train_config(params)
@@ -540,26 +535,20 @@ def train_pod(pod: dict[str, Any], context: Any) -> None:
 def train_cards(params: dict[str, Any], checked: dict[str, list[dict[str, Any]]],
                 trained: list[dict[str, Any]] | None, run_id: str, outlet_events: Any = None) -> list[dict[str, Any]]:
     """Write each trained drafter's card last (If-None-Match); the dflash_drafter event names them all."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     from dflash_pipeline.steps.handoff import DRAFTER_FORMAT
-    from dflash_pipeline.steps.train import TrainRefused, write_card
-    from dflash_pipeline.steps.train.card import lineage, read_card
+    from dflash_pipeline.steps.train.card import lineage, read_card, write_card
 
     cfg = train_config(params)
     client = s3_client(cfg.aws_conn_id)
     shards = {t["name"]: t.get("shards") for t in (trained or []) if t}
     summaries = []
-    try:
-        with _fail_fast():
-            for job in checked["local"] + checked["kubernetes"]:
-                card = write_card(client, job, shards.get(job["name"]), run_id)
-                summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
-            for job in checked["done"]:
-                card = read_card(client, job["prefix"])
-                summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
-    except TrainRefused as exc:
-        raise AirflowFailException(f"TrainRefused: {exc}") from exc
+    with _fail_fast():
+        for job in checked["local"] + checked["kubernetes"]:
+            card = write_card(client, job, shards.get(job["name"]), run_id)
+            summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
+        for job in checked["done"]:
+            card = read_card(client, job["prefix"])
+            summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
     if outlet_events is not None:
         outlet_events[drafter_asset()].extra = {"format": DRAFTER_FORMAT, "drafters": summaries}
     return summaries

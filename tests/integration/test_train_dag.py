@@ -175,3 +175,47 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert other["heldout_of_training_data"] is False  # a benchmark: nothing says the drafter never saw it
     with pytest.raises(ConfigError, match="drafters/d9/card.json does not exist"):
         read_lineages(s3_client, eval_cfg(f"s3://{bucket}/drafters/d9/card.json"), {})
+
+
+DEFAULT_ENTRY = REPO / "include" / "dflash_pipeline" / "steps" / "train" / "specforge_entry.py"
+
+
+def test_the_dag_trains_with_specforge_on_cpu(moto_server: Any, s3_client: Any, bucket: str, qwen_tokenizer: Path,
+                                              trainers_python: Path, tmp_path: Path) -> None:
+    """The same DAG with the default entry (SpecForge 0.2.0's DFlash training on CPU, in .venv-trainers) on the
+    tiny target: the drafter vLLM's DFlash path takes, and its card with SpecForge's loss curve."""
+    if not DEFAULT_ENTRY.is_file():  # written on branch trainer-cpu (issue 38 item 2), merged beside this
+        pytest.skip(f"{DEFAULT_ENTRY.relative_to(REPO)} is not in this tree yet")
+    from dflash_pipeline.dev.engine import tiny_qwen
+    from dflash_pipeline.dev.engine.dflash_drafter import check_drafter
+
+    good = _dataset(s3_client, bucket, "ds/sf", qwen_tokenizer, heldout=True)
+    target = tiny_qwen.build_checkpoint(tmp_path / "target", tokenizer_source=qwen_tokenizer)
+    conf = {"dataset_uri": good.uri, "tokenization": "default", "drafter_name": "sf1", "target_model": str(target),
+            "drafters_root": f"s3://{bucket}/drafters", "trainers_python": str(trainers_python),
+            "work_dir": str(tmp_path / "work"), "steps": 4, "save_every": 2, "batch_size": 4, "max_length": 512,
+            "block_size": 4, "learning_rate": 1e-3}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(moto_server.env())
+    env.update({"AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"),
+                "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run([sys.executable, str(RUNNER), str(REPO / "dags"), json.dumps([conf])],
+                          capture_output=True, text=True, env=env, timeout=900)
+    (tmp_path / "runner.out").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [result], [event] = _results(proc.stdout)
+    assert result["state"] == "success", (tmp_path / "runner.out", proc.stdout[-4000:])
+    assert "trainer | " in proc.stdout + proc.stderr  # the entry's lines reached the task log
+    card = json.loads(_get(s3_client, bucket, "drafters/sf1/card.json"))
+    assert card["trainer"] == {"name": "specforge", "version": "0.2.0"}
+    assert [s for s, _ in card["training"]["loss"]] == [1, 2, 3, 4]
+    report = json.loads(_get(s3_client, bucket, good.tokenized_report_key))
+    assert card["training"]["rows"] == report["rows_out"] and card["training"]["rows_per_s"] > 0
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (drafter / name).write_bytes(_get(s3_client, bucket, f"drafters/sf1/drafter/{name}"))
+    assert check_drafter(drafter, target) == []
+    assert event["extra"]["drafters"][0]["trainer"] == "specforge"
