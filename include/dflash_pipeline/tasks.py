@@ -479,7 +479,7 @@ def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[st
     {"local": [job...], "kubernetes": [job...], "pods": [KubernetesPodOperator kwargs...], "done": [job...]}:
     a job whose card exists with the same settings is 'done' (nothing to train; its card is re-announced)."""
     from dflash_pipeline.steps.handoff import TOKENIZED_FORMAT
-    from dflash_pipeline.steps.train.checks import check_train, jobs_for
+    from dflash_pipeline.steps.train.checks import check_train, claim_job, jobs_for
     from dflash_pipeline.steps.train.kubernetes import pod_kwargs
 
     cfg = train_config(params)
@@ -490,15 +490,16 @@ def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[st
     client = s3_client(cfg.aws_conn_id)
     with _fail_fast():  # TrainRefused is a ConfigError: the task fails at once, no retry
         pairs = jobs_for(cfg, datasets)
-        for uri, tokenization in pairs:
-            job = check_train(client, cfg, uri, tokenization, several=len(pairs) > 1)
+        jobs = [check_train(client, cfg, uri, tokenization, several=len(pairs) > 1) for uri, tokenization in pairs]
+        pods = {j["name"]: pod_kwargs(j, cfg) for j in jobs} if cfg.backend == "kubernetes" else {}
+        for job in (claim_job(client, j) for j in jobs):  # every check passed: now the names are claimed
             logger.info("drafter %s (%s): %s on %s tokenization %r", job["name"], job["prefix"], job["status"],
-                        uri, tokenization)
+                        job["dataset"]["uri"], job["tokenization"]["name"])
             if job["status"] == "done":
                 out["done"].append(job)
             elif cfg.backend == "kubernetes":
                 out["kubernetes"].append(job)
-                out["pods"].append(pod_kwargs(job, cfg))
+                out["pods"].append(pods[job["name"]])
             else:
                 out["local"].append(job)
     return out

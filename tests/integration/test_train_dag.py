@@ -11,7 +11,8 @@ runner process runs five confs in turn:
 2. the same conf again: nothing trained (train_local skipped), the card untouched, the event repeats it;
 3. the same name with other steps: refused by `check`, nothing written;
 4. an unknown tokenization: refused, naming the dataset's tokenizations;
-5. a dataset without a held-out split: refused.
+5. a dataset without a held-out split: refused;
+6. backend kubernetes with a command naming an unknown placeholder: refused by `check`, no pod started.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
         {**common, "dataset_uri": good.uri, "drafter_name": "d1", "steps": 7},
         {**common, "dataset_uri": good.uri, "drafter_name": "d2", "tokenization": "nope"},
         {**common, "dataset_uri": bare.uri, "drafter_name": "d3"},
+        {**common, "dataset_uri": good.uri, "drafter_name": "k1", "backend": "kubernetes", "kubernetes_image": "img:1",
+         "kubernetes_command": ["bash", "-c", "train {dataset}"]},
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(moto_server.env())
@@ -106,7 +109,7 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert proc.returncode == 0, proc.stderr[-4000:]
     results, assets = _results(proc.stdout)
     print("runner output:", tmp_path / "runner.out")
-    first, again, other, unknown, no_split = results
+    first, again, other, unknown, no_split, bad_pod = results
 
     # 1: killed at step 3, resumed by the retry from step 2; card last, with the lineage
     assert first["state"] == "success", (first, proc.stderr[-4000:])
@@ -143,7 +146,7 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert assets[0]["extra"]["drafters"][0]["steps"] == 6
 
     # 3-5: refused by check before any work
-    for result in (other, unknown, no_split):
+    for result in (other, unknown, no_split, bad_pod):
         assert result["state"] == "failed"
         states = _states(result)
         assert states["check"] == ["failed"] and "success" not in states.get("train_local", []), states
@@ -151,8 +154,10 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert "drafter name s3://" in out and "already used with other settings" in out
     assert "has no tokenization 'nope'" in out and "['default']" in out
     assert "ds/bare has no held-out split" in out
+    assert "kubernetes_command: unknown placeholder(s) ['dataset']" in out
+    assert _states(bad_pod).get("train_pod") != ["success"] and "running" not in str(bad_pod["tasks"])
     listed = {o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="drafters/")["Contents"]}
-    assert not any(k.startswith(("drafters/d2/", "drafters/d3/")) for k in listed)
+    assert not any(k.startswith(("drafters/d2/", "drafters/d3/", "drafters/k1/")) for k in listed)
     assert s3_client.head_object(Bucket=bucket, Key="drafters/d1/card.json")["ETag"] == etag
 
     # the card as dflash_eval's prepare reads it (before any request): the lineage the report shows

@@ -70,9 +70,8 @@ def jobs_for(cfg: TrainConfig, event_datasets: list[dict[str, Any]] | None) -> l
 
 def check_train(client: Any, cfg: TrainConfig, dataset_uri: str, tokenization: str,
                 several: bool = False) -> dict[str, Any]:
-    """Check one (dataset, tokenization) train and claim its drafter name; return the job (JSON, for XCom).
-
-    job["status"] is 'train' (to run or resume) or 'done' (its card exists with these settings)."""
+    """Check one (dataset, tokenization) train; return the job (JSON, for XCom). Nothing is written: the name
+    is claimed after every check passed (`claim_job`)."""
     base = DatasetLayout.from_uri(dataset_uri)
     layout = base.tokenized_as(tokenization)
     store = Store(client, layout.bucket)
@@ -127,12 +126,11 @@ def check_train(client: Any, cfg: TrainConfig, dataset_uri: str, tokenization: s
         name = f"{cfg.drafter_name}-{tokenization}-{digest[:8]}"
     root_uri = cfg.drafters_root or f"{base.uri}/drafters"
     prefix = drafter_prefix(root_uri, name)
-    status = claim_name(client, prefix, settings, digest)
     thinking = bool(((manifest.get("pinned") or {}).get("sampling") or {}).get("enable_thinking", True))
     return {
         "name": name,
         "prefix": prefix,
-        "status": status,
+        "status": None,
         "settings": settings,
         "settings_hash": digest,
         "dataset": {"uri": base.uri, "manifest_key": layout.manifest_key, "manifest_sha256": _sha256(manifest_bytes),
@@ -166,6 +164,11 @@ def _list_shards(store: Store, prefix: str) -> list[dict[str, Any]]:
     objs = with_retries(lambda: list(store.list(prefix)), what=f"list {prefix}")
     return [{"key": o.key, "size": o.size, "etag": o.etag.strip('"')} for o in sorted(objs, key=lambda o: o.key)
             if "/" not in o.key[len(prefix):]]
+
+
+def claim_job(client: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The job with its status: 'train' (to run or resume) or 'done' (its card exists with these settings)."""
+    return {**job, "status": claim_name(client, job["prefix"], job["settings"], job["settings_hash"])}
 
 
 def claim_name(client: Any, prefix: str, settings: dict[str, Any], digest: str) -> str:
