@@ -73,7 +73,8 @@ def dflash_train() -> None:
         return tasks.train_local(get_current_context()["params"], job)
 
     # The provider's KubernetesPodOperator, built and run inside the task (tasks.train_pod): importing it at
-    # parse time costs ~1 s per parse of this file. A retry reattaches to the pod a killed try left running.
+    # parse time costs ~1 s per parse of this file. A retry reattaches to the pod a killed try left running
+    # (the provider's `durable`).
     @task(retries=2, retry_delay=timedelta(minutes=1))
     def train_pod(pod: dict[str, Any]) -> None:
         from dflash_pipeline import tasks

@@ -519,11 +519,11 @@ def train_local(params: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 def kubernetes_pod_operator(pod: dict[str, Any]) -> Any:
     """The provider's KubernetesPodOperator for one drafter's pod (kwargs from steps/train/kubernetes.pod_kwargs):
     logs streamed to the task log, the pod deleted when it succeeds (kept for a post-mortem when it fails),
-    a retry reattaching to a pod a killed try left running."""
+    a retry reattaching to a pod a killed try left running (the provider's `durable`, its default on Airflow 3.3)."""
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 
     return KubernetesPodOperator(task_id="train_pod", get_logs=True, on_finish_action="delete_succeeded_pod",
-                                 reattach_on_restart=True, startup_timeout_seconds=1800, do_xcom_push=False, **pod)
+                                 startup_timeout_seconds=1800, do_xcom_push=False, **pod)
 
 
 def train_pod(pod: dict[str, Any], context: Any) -> None:
