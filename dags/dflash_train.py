@@ -11,8 +11,10 @@ the card exists); on kubernetes it also builds and checks the pod spec. Then one
 - `train_local` (backend `local`; one mapped task per drafter): the trainer as a subprocess in the trainers'
   venv on this worker (CPU), its log streamed here, `drafter/` + `train_log.json` uploaded;
 - `train_pod` (backend `kubernetes`; one mapped task per drafter running the cncf.kubernetes provider's
-  KubernetesPodOperator): SpecForge's
-  `scripts/train_dflash.py` under torchrun on the GPUs of a pod (`kubernetes_*` params),
+  KubernetesPodOperator): SpecForge's `scripts/train_dflash.py` under torchrun on the GPUs of a pod
+  (`kubernetes_*` params),
+
+(`local_jobs` / `pod_specs` hand each its list; the other backend's task is skipped)
 
 → `card` writes `card.json` last (If-None-Match) and emits the `dflash_drafter` asset event.
 
