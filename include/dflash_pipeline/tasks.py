@@ -478,14 +478,13 @@ def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[st
 
     {"local": [job...], "kubernetes": [job...], "pods": [KubernetesPodOperator kwargs...], "done": [job...]}:
     a job whose card exists with the same settings is 'done' (nothing to train; its card is re-announced)."""
-    from dflash_pipeline.steps.handoff import TOKENIZED_FORMAT
+    from dflash_pipeline.steps.handoff import tokenized_datasets
     from dflash_pipeline.steps.train.checks import check_train, claim_job, jobs_for
     from dflash_pipeline.steps.train.kubernetes import pod_kwargs
 
     cfg = train_config(params)
     events = triggering_asset_events.get(tokenized_asset(), []) if triggering_asset_events else []
-    datasets = [d for ev in events for d in ((getattr(ev, "extra", None) or {}).get("datasets") or [])
-                if (getattr(ev, "extra", None) or {}).get("format") == TOKENIZED_FORMAT]
+    datasets = tokenized_datasets(events)
     out: dict[str, list[dict[str, Any]]] = {"local": [], "kubernetes": [], "pods": [], "done": []}
     client = s3_client(cfg.aws_conn_id)
     with _fail_fast():  # TrainRefused is a ConfigError: the task fails at once, no retry

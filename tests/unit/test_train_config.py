@@ -81,3 +81,21 @@ def test_shell_values_are_quoted() -> None:
     job = {**JOB, "target_model": "/models/q; rm -rf /"}
     script = pod_kwargs(job, _cfg())["arguments"][1]
     assert "--target-model-path '/models/q; rm -rf /'" in script
+
+
+def test_an_asset_triggered_run_trains_each_tokenization_its_event_names() -> None:
+    from types import SimpleNamespace
+
+    from dflash_pipeline.steps.handoff import TOKENIZED_FORMAT, tokenized_datasets
+    from dflash_pipeline.steps.train.checks import TrainRefused, jobs_for
+
+    events = [SimpleNamespace(extra={"format": TOKENIZED_FORMAT, "datasets": [
+                  {"output_uri": "s3://bucket-a/ds1", "tokenization": "default"},
+                  {"output_uri": "s3://bucket-a/ds2", "tokenization": "original"}]}),
+              SimpleNamespace(extra={"format": "something-else", "datasets": [{"output_uri": "s3://bucket-a/x"}]})]
+    cfg = TrainConfig.from_params({"dataset_uri": "s3://bucket-a/ignored"})
+    assert jobs_for(cfg, tokenized_datasets(events)) == [("s3://bucket-a/ds1", "default"),
+                                                          ("s3://bucket-a/ds2", "original")]
+    assert jobs_for(cfg, []) == [("s3://bucket-a/ignored", "default")]  # by hand: the params
+    with pytest.raises(TrainRefused, match="no dflash_tokenized asset event and no dataset_uri"):
+        jobs_for(TrainConfig.from_params({}), [])

@@ -82,6 +82,19 @@ def extras_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def tokenized_datasets(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The datasets named by dflash_tokenize's events (its report's summary per dataset: output_uri,
+    tokenization, ...); events of another format are ignored with a warning."""
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        extra = dict(getattr(ev, "extra", None) or {})
+        if extra.get("format") != TOKENIZED_FORMAT:
+            logger.warning("ignoring an asset event without a dflash_tokenized extra: %s", extra)
+            continue
+        out += [d for d in extra.get("datasets") or [] if isinstance(d, Mapping) and d.get("output_uri")]
+    return out
+
+
 def check_events(client: Any, extras: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """`check_handoff` for each event of one consumer run. A run may carry several events, some of
     datasets deleted since (a bucket emptied after a trial run): those are skipped with a warning, so
