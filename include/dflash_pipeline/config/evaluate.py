@@ -365,6 +365,8 @@ class EvalConfig:
             "request_timeout_s": self.request_timeout_s,
             "limit": self.max_prompts,
             "aws_conn_id": self.aws_conn_id,
+            # The condition owns the request: rows' own enable_thinking / sampling are recorded, not sent.
+            "row_settings": "record",
             # An eval measures what the servers do: an error or a cut-off answer is a row to count,
             # never a reason to stop measuring the others.
             "max_error_rate": 1.0,

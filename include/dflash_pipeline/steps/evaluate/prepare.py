@@ -43,8 +43,16 @@ def resolve_prompts(client: Any, cfg: EvalConfig) -> tuple[str, bool | None, dic
     key = heldout.get("key")
     if not key:
         raise ConfigError(
-            f"dataset_uri {cfg.dataset_uri} has no held-out split (manifest.heldout.key is missing): generate it "
-            "with a held-out split, or name a benchmark file with prompts_uri")
+            f"dataset_uri {cfg.dataset_uri} has no held-out split (manifest.heldout.key is missing: it was generated "
+            "with heldout_fraction 0 and no heldout_uri), so it has no prompts its drafters were not trained on. "
+            "The split is pinned with the dataset's input and cannot be added to it. Ways out: name a benchmark "
+            "file with prompts_uri instead of dataset_uri, or generate a new dataset (a new output_uri) with "
+            "heldout_fraction (e.g. 0.01) or heldout_uri and evaluate that one. Nothing was sent to any server")
+    if not heldout.get("count"):
+        raise ConfigError(
+            f"dataset_uri {cfg.dataset_uri}: its held-out split holds no prompt (manifest.heldout.count is 0; "
+            f"fraction {heldout.get('fraction')}): name a benchmark file with prompts_uri, or generate a new "
+            "dataset (a new output_uri) with a larger heldout_fraction. Nothing was sent to any server")
     uri = key if str(key).startswith("s3://") else f"s3://{layout.bucket}/{key}"
     thinking = ((manifest.get("pinned") or {}).get("sampling") or {}).get("enable_thinking")
     source = {"kind": "heldout", "dataset_uri": cfg.dataset_uri, "prompts_uri": uri,

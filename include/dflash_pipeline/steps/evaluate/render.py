@@ -117,6 +117,10 @@ def condition_lines(report: Mapping[str, Any], cond: Mapping[str, Any]) -> list[
     lines = ["", f"## {name}", "",
              f"temperature {cond['temperature']}, top_p {cond['top_p']}, thinking "
              f"{'on' if cond['thinking'] else 'off'}, concurrency {cond['concurrency']}", ""]
+    differ = (report.get("row_settings") or {}).get(name) or []
+    if differ:
+        lines += ["The condition's settings were sent to every row; the prompt rows asked otherwise "
+                  "(kept in each row's metadata, not sent):", ""] + [f"- {d}" for d in differ] + [""]
     rows = []
     for g, conds in groups.items():
         fig = conds.get(name)

@@ -179,6 +179,26 @@ def build_report(cfg: EvalConfig, assignments: list[dict[str, Any]] | None, per_
     }
 
 
+def row_settings_differ(cond: dict[str, Any], manifest: dict[str, Any] | None) -> list[str]:
+    """Where the prompt rows' own settings (plan's input.row_settings, recorded, not sent) differ
+    from the condition's: what the report shows beside the condition."""
+    own = ((manifest or {}).get("input") or {}).get("row_settings") or {}
+    out: list[str] = []
+    other = own.get("rows_thinking_off" if cond["thinking"] else "rows_thinking_on") or 0
+    if other:
+        out.append(f"{other} row(s) asked thinking {'off' if cond['thinking'] else 'on'}; sent "
+                   f"{'on' if cond['thinking'] else 'off'}")
+    if own.get("rows_with_sampling"):
+        temps = [t for t in own.get("temperatures") or [] if t != cond["temperature"]]
+        keys = [k for k in own.get("sampling_keys") or [] if k not in ("temperature", "top_p")]
+        what = (f" (temperature {', '.join(f'{t:g}' for t in temps)})" if temps else "") + (
+            f" (also {', '.join(keys)})" if keys else "")
+        if temps or keys or "top_p" in (own.get("sampling_keys") or []):
+            out.append(f"{own['rows_with_sampling']} row(s) carried their own sampling{what}; sent temperature "
+                       f"{cond['temperature']:g}, top_p {cond['top_p']:g}")
+    return out
+
+
 def _read_condition(store: Store, cfg: EvalConfig, group: Any, cond: dict[str, Any]
                     ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     """One (group, condition): its figures, its rows and its manifest."""
@@ -191,6 +211,7 @@ def _read_condition(store: Store, cfg: EvalConfig, group: Any, cond: dict[str, A
     fig = F.condition_figures(rows, docs, concurrency=conc, n_servers=len(group.servers), confidence=cfg.confidence,
                               planned=planned, baseline=group.baseline, engines=engines)
     fig["root"] = layout.uri
+    fig["row_settings_differ"] = row_settings_differ(cond, manifest)
     return fig, rows, manifest
 
 
@@ -216,6 +237,10 @@ def run_report(client: Any, cfg: EvalConfig, assignments: list[dict[str, Any]] |
                     {k: s.get(k) for k in ("name", "engine", "version", "served_model_name", "speculative")}
                     for s in manifest.get("servers") or []]
     report = build_report(cfg, assignments, per_group, servers, rows_by)
+    # the same prompt rows under every group: the first group's manifest says for all
+    report["row_settings"] = {c["name"]: next((conds[c["name"]].get("row_settings_differ") or []
+                                               for conds in per_group.values() if c["name"] in conds), [])
+                              for c in conditions}
     if cfg.thinking_modes and len(cfg.thinking_modes) > 1:
         # each mode pools its conditions: the same prompts several times, resampled together (by id)
         report["by_thinking"] = {g: {m: F.acceptance(r, cfg.confidence) for m, r in modes.items()}
