@@ -21,6 +21,7 @@ from dflash_pipeline.config.evaluate import Condition, EvalConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.steps.evaluate.groups import comparability_refusals, probe_groups
 from dflash_pipeline.steps.plan import run_plan
 from dflash_pipeline.steps.preflight import run_preflight
 
@@ -82,6 +83,13 @@ def prepare(
     logger.info("eval %s: %d group(s) x %d condition(s) on %s: %s", cfg.output_uri, len(cfg.groups), len(conditions),
                 prompts_uri, [c.name for c in conditions])
     specs = {g.name: [resolve(s) for s in g.servers] for g in cfg.groups}  # a bad connection id fails here
+    # Comparable groups (one target, one configuration per drafter, a baseline that does not speculate),
+    # from the servers' own reports, before anything is planned or any proof request is sent.
+    infos = probe_groups(cfg.groups, specs)
+    refusals = comparability_refusals(cfg.groups, {n: infos[spec.name] for g in cfg.groups
+                                                   for n, spec in zip(g.servers, specs[g.name]) if spec.name in infos})
+    if refusals:
+        raise ConfigError("the groups cannot be compared: " + "; ".join(refusals) + ". Nothing was planned or sent")
     per_server: dict[str, list[dict[str, Any]]] = {s: [] for g in cfg.groups for s in g.servers}
     for group in cfg.groups:
         for cond in conditions:
