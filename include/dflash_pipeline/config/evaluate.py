@@ -175,7 +175,9 @@ EVAL_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 0.95,
         "exclusiveMinimum": 0.5,
         "exclusiveMaximum": 1,
-        "description": "Confidence level of the bootstrap intervals of acceptance length (BCa, rows resampled).",
+        "description": "Confidence level of the intervals of acceptance length and of the paired differences, "
+        "over prompts (a prompt's rows resampled together): a percentile bootstrap at the expanded level up to "
+        "2,000 prompts, the delta method above; no interval under 10 prompts (docs/evaluation.md).",
         "section": SECTION_EVAL_RUN,
     },
 }

@@ -183,6 +183,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             if hist:
                 lines.append(f"- {g}: {hist}")
     lines += crosscheck_lines(report)
+    if report.get("engine_notes"):
+        lines += ["", "## How these servers count", ""]
+        lines += [f"- {g}: {n}" for g, notes in report["engine_notes"].items() for n in notes]
     lines += ["", "## How the figures are computed", ""]
     lines += [f"- **{k}**: {v}" for k, v in (report.get("definitions") or {}).items()]
     return "\n".join(lines) + "\n"

@@ -179,6 +179,30 @@ def build_report(cfg: EvalConfig, assignments: list[dict[str, Any]] | None, per_
     }
 
 
+def engine_notes(servers: dict[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+    """Per group, how its servers count where that changes what the figures mean (report.md states it)."""
+    out: dict[str, list[str]] = {}
+    for group, entries in servers.items():
+        notes: list[str] = []
+        for s in entries:
+            spec = s.get("speculative") or {}
+            args = spec.get("engine_args") or {}
+            if spec.get("adaptive"):
+                notes.append(f"{s.get('name')}: SGLang --speculative-adaptive: the draft depth changes at run time "
+                             "(the adaptive config's candidate steps; by default down to 0 steps from batch 8), and "
+                             "SGLang counts the plain decode steps run without drafts as verify steps that accepted "
+                             "nothing: this acceptance length is over every decode step, drafting or not, and the "
+                             "per-position shares mix depths")
+            topk = args.get("speculative_eagle_topk")
+            if isinstance(topk, int) and topk > 1:
+                notes.append(f"{s.get('name')}: an EAGLE tree (topk {topk}, {args.get('speculative_num_draft_tokens')} "
+                             f"nodes verified per step) accepts one path: at most {spec.get('num_draft_tokens')} drafts "
+                             "per step")
+        if notes:
+            out[group] = sorted(set(notes))
+    return out
+
+
 def row_settings_differ(cond: dict[str, Any], manifest: dict[str, Any] | None) -> list[str]:
     """Where the prompt rows' own settings (plan's input.row_settings, recorded, not sent) differ
     from the condition's: what the report shows beside the condition."""
@@ -208,8 +232,11 @@ def _read_condition(store: Store, cfg: EvalConfig, group: Any, cond: dict[str, A
     docs = read_metric_docs(store, layout)
     engines = {str(s.get("name")): s.get("engine") for s in (manifest or {}).get("servers") or []}
     conc = None if cond["concurrency"] == "production" else int(cond["concurrency"])
+    lengths = [int((s.get("speculative") or {}).get("num_draft_tokens") or 0)
+               for s in (manifest or {}).get("servers") or []]
     fig = F.condition_figures(rows, docs, concurrency=conc, n_servers=len(group.servers), confidence=cfg.confidence,
-                              planned=planned, baseline=group.baseline, engines=engines)
+                              planned=planned, baseline=group.baseline, engines=engines,
+                              draft_length=max(lengths, default=0) or None)
     fig["root"] = layout.uri
     fig["row_settings_differ"] = row_settings_differ(cond, manifest)
     return fig, rows, manifest
@@ -237,6 +264,7 @@ def run_report(client: Any, cfg: EvalConfig, assignments: list[dict[str, Any]] |
                     {k: s.get(k) for k in ("name", "engine", "version", "served_model_name", "speculative")}
                     for s in manifest.get("servers") or []]
     report = build_report(cfg, assignments, per_group, servers, rows_by)
+    report["engine_notes"] = engine_notes(servers)
     # the same prompt rows under every group: the first group's manifest says for all
     report["row_settings"] = {c["name"]: next((conds[c["name"]].get("row_settings_differ") or []
                                                for conds in per_group.values() if c["name"] in conds), [])
