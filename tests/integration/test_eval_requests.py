@@ -90,3 +90,30 @@ def test_a_condition_owns_the_request_and_the_rows_own_settings_are_recorded(
     meta = [json.loads(m) for m in table.column("metadata").to_pylist()]
     assert all(m["row_enable_thinking"] is False and m["row_sampling"] == {"temperature": 1.3} for m in meta)
     assert set(table.column("thinking").to_pylist()) == {True}
+
+
+def test_a_rerun_of_a_complete_condition_with_error_rows_sends_nothing(s3_client: Any, bucket: str) -> None:
+    """Issue 37 item 8: error rows are measured outcomes of an eval; a rerun of a complete condition sends
+    no generation request and writes no new metrics document (docs/evaluation.md "Resume")."""
+    server = SimServer(SimConfig(engine="vllm", length_scale=0.02, token_time_s=0.0005, max_running_requests=4,
+                                 spec_algorithm="draft_model", poison_text="poison", poison_fault="hang",
+                                 hang_s=3.0)).start()
+    try:
+        rows = [{"id": f"q{i}", "prompt": f"question {i}" + (" poison" if i < 1 else "")} for i in range(8)]
+        s3_client.put_object(Bucket=bucket, Key="r.jsonl", Body="\n".join(map(json.dumps, rows)).encode())
+        cfg = EvalConfig.from_params({"prompts_uri": f"s3://{bucket}/r.jsonl", "output_uri": f"s3://{bucket}/rr",
+                                      "drafters": [{"name": "d", "servers": [server.url]}], "greedy": False,
+                                      "concurrency": [1], "max_tokens": 20, "request_timeout_s": 1})
+        [assignment] = prepare(s3_client, cfg, "run1", _resolve)
+        first = run_server(s3_client, cfg, assignment, "run1", _resolve(server.url))
+        assert first["conditions"][0]["errors"] == 1
+        sent = server.stats()["generation_requests"]
+        [again] = prepare(s3_client, cfg, "run2", _resolve)
+        second = run_server(s3_client, cfg, again, "run2", _resolve(server.url))
+        assert second["conditions"] == [{"condition": "sampled_think-on_c1", "nothing_to_do": True}]
+        assert server.stats()["generation_requests"] == sent
+        docs = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="rr/d/")["Contents"]
+                if "/metrics/" in o["Key"]]
+        assert len(docs) == 1 and "/run1/" in docs[0]
+    finally:
+        server.stop()

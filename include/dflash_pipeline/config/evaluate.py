@@ -374,6 +374,9 @@ class EvalConfig:
             "max_error_rate": 1.0,
             "max_truncation_rate": 1.0,
             "max_missing_reasoning_rate": 1.0,
+            # ... and a rerun of a complete condition sends nothing: its error rows are what was measured
+            # (a new output_uri measures again).
+            "retry_failed_rows": "none",
         }
         assert set(params) <= set(PARAM_SCHEMAS)
         return RunConfig.from_params(params)
