@@ -113,8 +113,13 @@ def test_eval_ranks_two_real_drafters_as_their_metrics_do(
     # proportions, so rankings are compared per condition, above.)
     for name in drafters:
         windows = [report["groups"][name][c]["crosscheck"][0]["metrics_delta"] for c in conditions]
-        proofs = [SpecStats.from_columns(_manifest(s3_client, f"{output_uri}/{name}/{c}")["servers"][0]["proof"]["spec"])
-                  for c in conditions]
+        proofs = []
+        for c in conditions:
+            proof = _manifest(s3_client, f"{output_uri}/{name}/{c}")["servers"][0]["proof"]
+            proofs.append(SpecStats.from_columns(proof["spec"]))
+            # answers preflight asked to settle a first answer without thinking (the first is `proof`)
+            settled = (proof.get("reasoning_settled") or {}).get("answers") or []
+            proofs += [SpecStats.from_columns(a["spec"]) for a in settled[1:] if a.get("spec")]
         steps = sum(w["verify_steps"] for w in windows) + sum(p.verify_steps for p in proofs if p)
         accepted = sum(w["accepted_tokens"] for w in windows) + sum(p.accepted_tokens for p in proofs if p)
         assert (delta[name].drafts, delta[name].accepted_tokens) == (steps, accepted), (name, delta[name], windows)

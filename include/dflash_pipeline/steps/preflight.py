@@ -85,7 +85,9 @@ def _answer_seen(completion: Any, temperature: float, seed: int | None, think_id
     return {"prompt": prompt, "temperature": temperature, "seed": seed, "finish_reason": completion.finish_reason,
             "completion_tokens": completion.completion_tokens, "reasoning_chars": len(completion.reasoning or ""),
             "reasoning_source": completion.reasoning_source,
-            "think_close_in_ids": close, "think_close_in_text": THINK_CLOSE in (completion.content or "")}
+            "think_close_in_ids": close, "think_close_in_text": THINK_CLOSE in (completion.content or ""),
+            # what the answer added to a speculating server's counters (the eval's /metrics accounting)
+            "spec": completion.spec.to_columns() if completion.spec is not None else None}
 
 
 def _thinks(completion: Any) -> bool:
