@@ -3,8 +3,8 @@
 The two real speculative configurations of the engine tier (conftest.py: vLLM's n-gram drafter, and the
 tiny checkpoint as its own draft model; k = 3, ``--per-request-spec-decode-metrics summary``) are the
 eval's two "drafters", the plain server its no-speculation baseline. The prompts carry a ``domain``
-column (two domains). Conditions: production sampling (temperature 0.6) and greedy, thinking on,
-4 requests in flight per server. Small on purpose (CI, 2 cores): 12 prompts, 40 tokens.
+column (two domains). Conditions: production sampling (temperature 0.6) and greedy, thinking on and off
+(issue 37: none refused by preflight), 4 requests in flight per server. Small on purpose (CI, 2 cores): 12 prompts, 40 tokens.
 
 What it proves (issue 30, "Done when"): the report has both drafters side by side for every condition,
 ranks them in each condition as the ``/metrics`` counters of that condition's window rank them, its
@@ -61,7 +61,7 @@ def test_eval_ranks_two_real_drafters_as_their_metrics_do(
         "drafters": [{"name": name, "servers": [s.base_url]} for name, s in drafters.items()],
         "baseline": {"name": "no-spec", "servers": [vllm_server.base_url]},
         "model": vllm_server.model, "max_tokens": MAX_TOKENS, "temperature": 0.6, "top_p": 0.95, "greedy": True,
-        "thinking_modes": ["on"], "concurrency": [4], "save_every": 6,
+        "thinking_modes": ["on", "off"], "concurrency": [4], "save_every": 6,
     }
     before = {name: spec_counters(s.base_url) for name, s in drafters.items()}
     run_id = airflow_stack.trigger("dflash_eval", conf)
@@ -72,7 +72,7 @@ def test_eval_ranks_two_real_drafters_as_their_metrics_do(
 
     assert report["status"] == "complete" and report["crosscheck_mismatches"] == []
     conditions = [c["name"] for c in report["conditions"]]
-    assert conditions == ["sampled_think-on_c4", "greedy_think-on_c4"]
+    assert conditions == ["sampled_think-on_c4", "sampled_think-off_c4", "greedy_think-on_c4", "greedy_think-off_c4"]
     figures: dict[str, Any] = {}
     for cond in conditions:
         # side by side: both drafters ranked, each with its figures; per condition, the ranking is the one
@@ -113,8 +113,13 @@ def test_eval_ranks_two_real_drafters_as_their_metrics_do(
     # proportions, so rankings are compared per condition, above.)
     for name in drafters:
         windows = [report["groups"][name][c]["crosscheck"][0]["metrics_delta"] for c in conditions]
-        proofs = [SpecStats.from_columns(_manifest(s3_client, f"{output_uri}/{name}/{c}")["servers"][0]["proof"]["spec"])
-                  for c in conditions]
+        proofs = []
+        for c in conditions:
+            proof = _manifest(s3_client, f"{output_uri}/{name}/{c}")["servers"][0]["proof"]
+            proofs.append(SpecStats.from_columns(proof["spec"]))
+            # answers preflight asked to settle a first answer without thinking (the first is `proof`)
+            settled = (proof.get("reasoning_settled") or {}).get("answers") or []
+            proofs += [SpecStats.from_columns(a["spec"]) for a in settled[1:] if a.get("spec")]
         steps = sum(w["verify_steps"] for w in windows) + sum(p.verify_steps for p in proofs if p)
         accepted = sum(w["accepted_tokens"] for w in windows) + sum(p.accepted_tokens for p in proofs if p)
         assert (delta[name].drafts, delta[name].accepted_tokens) == (steps, accepted), (name, delta[name], windows)

@@ -87,7 +87,7 @@ def test_rows_carry_the_servers_figures_and_they_sum_to_its_counters(s3_client, 
     assert entries[vllm_url]["speculative"]["num_draft_tokens"] == 3
     assert entries[new_url]["speculative"]["stats_source"] == SOURCE_SGLANG_SGLEXT
     assert entries[meta_url]["speculative"] == {
-        "algorithm": "EAGLE3", "num_draft_tokens": 3, "engine": "sglang", "engine_version": "0.5.13",
+        "algorithm": "EAGLE3", "num_draft_tokens": 3, "adaptive": False, "engine": "sglang", "engine_version": "0.5.13",
         "stats_source": SOURCE_SGLANG_META, "engine_args": {
             "speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 4, "speculative_num_steps": 3,
             "speculative_eagle_topk": 1, "speculative_draft_model_path": "sim/drafter"}}

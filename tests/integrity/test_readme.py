@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -268,3 +269,26 @@ def test_a_planted_wrong_name_fails(truth: Truth, planted: str, expected: str) -
     problems = check_text("README.md", text, truth, strict_repo_paths=True)
     assert any(expected in p for p in problems), problems
     assert not check_text("README.md", README.read_text(), truth, strict_repo_paths=True)
+
+
+def _trigger_confs(text: str, dag_id: str) -> list[dict[str, Any]]:
+    """Every `airflow dags trigger <dag_id> --conf '{...}'` example of a text, parsed."""
+    return [json.loads(m) for m in re.findall(rf"airflow dags trigger {dag_id} --conf '(\{{.*?\}})'", text, re.S)]
+
+
+def test_the_readme_flow_plans_the_held_out_split_the_eval_reads() -> None:
+    """Issue 37: the README's generate example plans a held-out split (it is pinned: it cannot be added
+    after a 900k-row run), the README names the param, and the eval examples read that dataset."""
+    from dflash_pipeline.config import EvalConfig, RunConfig
+
+    text = README.read_text()
+    [generate] = _trigger_confs(text, "dflash_generate")
+    cfg = RunConfig.from_params(generate)
+    assert cfg.heldout_fraction > 0, "the README's generate example plans no held-out split"
+    assert re.search(r"\|\s*`heldout_fraction`[^|]*\|", text), "the README's param table does not name heldout_fraction"
+    evals = _trigger_confs((REPO / "docs" / "evaluation.md").read_text(), "dflash_eval")
+    from_dataset = [e for e in evals if e.get("dataset_uri")]
+    assert from_dataset, "docs/evaluation.md has no eval example of a generated dataset"
+    for conf in from_dataset:
+        EvalConfig.from_params(conf)
+        assert conf["dataset_uri"] == cfg.output_uri

@@ -453,3 +453,54 @@ def test_the_report_carries_each_carded_drafters_lineage() -> None:
     ranking = md.split("## Ranking")[1].split("\n\n")[1]
     assert "trained on" in ranking and "`original` (original answers), specforge 0.2.0, 400 steps" in ranking
     assert eval_event_extra(report)["lineage"] == {"A": lin}
+
+
+def test_rows_the_server_reported_with_zero_verify_steps_are_rows_with_statistics():
+    """Issue 37 item 8: an answer the server ended before any draft (0 verify steps, reported) has
+    statistics: it counts in rows_with_stats (it adds nothing to the ratio)."""
+    from dflash_pipeline.steps.evaluate.figures import acceptance
+
+    rows = [{"id": f"q{i}", "spec_verify_steps": 10, "spec_accepted_tokens": 12, "spec_draft_tokens": 30,
+             "spec_accept_histogram": [2, 4, 4, 0]} for i in range(12)]
+    rows += [{"id": "q12", "spec_verify_steps": 0, "spec_accepted_tokens": 0, "spec_draft_tokens": 0,
+              "spec_accept_histogram": [0, 0, 0, 0]}, {"id": "q13"}]
+    got = acceptance(rows, 0.95)
+    assert got["rows_with_stats"] == 13 and got["rows_without_stats"] == 1
+    assert got["acceptance_length"] == 1 + 12 / 10
+
+
+def test_a_drafter_that_never_accepts_has_per_position_rates_for_its_draft_length():
+    """Issue 37 item 8: SGLang's histogram of a drafter that never accepts is [V] (only bin 0), vLLM's
+    [V, 0, 0, 0]; both give k zero rates once the draft length is known."""
+    from dflash_pipeline.steps.evaluate.figures import acceptance
+
+    sglang = [{"id": f"q{i}", "spec_verify_steps": 5, "spec_accepted_tokens": 0, "spec_accept_histogram": [5]}
+              for i in range(3)]
+    vllm = [{"id": f"q{i}", "spec_verify_steps": 5, "spec_accepted_tokens": 0, "spec_draft_tokens": 15,
+             "spec_accept_histogram": [5, 0, 0, 0]} for i in range(3)]
+    a, b = acceptance(sglang, 0.95, draft_length=3), acceptance(vllm, 0.95, draft_length=3)
+    assert a["per_position"] == b["per_position"] == [0.0, 0.0, 0.0]
+    assert a["histogram"] == b["histogram"] == [15, 0, 0, 0]
+
+
+def test_the_confidence_param_names_the_methods_used():
+    from dflash_pipeline.config.evaluate import EVAL_PARAM_SCHEMAS
+
+    text = EVAL_PARAM_SCHEMAS["confidence"]["description"]
+    assert "BCa" not in text and "percentile bootstrap" in text and "delta method" in text and "prompts" in text
+
+
+def test_the_report_states_how_an_adaptive_or_tree_server_counts():
+    from dflash_pipeline.steps.evaluate.report import engine_notes
+
+    adaptive = {"name": "s1", "engine": "sglang", "speculative": {
+        "algorithm": "EAGLE3", "num_draft_tokens": 3, "adaptive": True,
+        "engine_args": {"speculative_eagle_topk": 1, "speculative_num_steps": 3, "speculative_num_draft_tokens": 4}}}
+    tree = {"name": "s2", "engine": "sglang", "speculative": {
+        "algorithm": "EAGLE3", "num_draft_tokens": 5, "adaptive": False,
+        "engine_args": {"speculative_eagle_topk": 8, "speculative_num_steps": 5, "speculative_num_draft_tokens": 64}}}
+    plain = {"name": "s3", "engine": "vllm", "speculative": {"algorithm": "ngram", "num_draft_tokens": 3}}
+    notes = engine_notes({"a": [adaptive], "t": [tree], "p": [plain]})
+    assert "--speculative-adaptive" in notes["a"][0] and "plain decode steps" in notes["a"][0]
+    assert "at most 5 drafts" in notes["t"][0] and "64" in notes["t"][0]
+    assert "p" not in notes

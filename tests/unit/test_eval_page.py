@@ -63,3 +63,15 @@ def test_a_dataset_of_the_eval_shows_its_progress_without_generates_report_text(
     assert "Dataset <b class=\"mono\">A/greedy_think-on_c1</b>" in html and "Not planned yet" in html
     for text in GENERATE_TEXT:
         assert text not in html
+
+
+def test_the_eval_page_says_where_rows_asked_otherwise_and_how_servers_count() -> None:
+    """Issue 37: the rows' own settings (recorded, not sent) and the engine notes are on the page too."""
+    report = _report({"A": 0, "B": 0}, n=30)
+    report["row_settings"] = {"greedy_think-on_c1": ["30 row(s) asked thinking off; sent on"]}
+    report["engine_notes"] = {"A": ["s1: SGLang --speculative-adaptive: the draft depth changes at run time"]}
+    main = ui.run_page(_view(report))
+    main = main[main.index('id="eval-report"'):]
+    assert 'class="eval-notes"' in main
+    assert "greedy_think-on_c1: 30 row(s) asked thinking off; sent on" in main
+    assert "A: s1: SGLang --speculative-adaptive" in main

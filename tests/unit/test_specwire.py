@@ -149,3 +149,20 @@ def test_vllm_counters_and_config():
     assert confirm_source(cfg.to_manifest(), True)["stats_source"] == SOURCE_VLLM
     assert confirm_source(cfg.to_manifest(), False)["stats_source"] is None
     assert vllm_spec_config("", "0.32.0") is None
+
+
+def test_eagle_tree_accepts_at_most_its_depth_and_the_adaptive_flag_is_kept():
+    """Issue 37 item 8: an EAGLE tree (topk > 1) verifies speculative_num_draft_tokens nodes but accepts at
+    most speculative_num_steps drafts per step (one path of the tree); --speculative-adaptive is kept."""
+    tree = {"speculative_algorithm": "EAGLE3", "speculative_num_draft_tokens": 64, "speculative_num_steps": 5,
+            "speculative_eagle_topk": 8, "version": "0.5.23"}
+    cfg = sglang_spec_config(tree)
+    assert cfg is not None and cfg.num_draft_tokens == 5
+    assert cfg.engine_args["speculative_num_draft_tokens"] == 64 and cfg.engine_args["speculative_eagle_topk"] == 8
+    chain = sglang_spec_config({**tree, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6})
+    assert chain is not None and chain.num_draft_tokens == 5
+    adaptive = sglang_spec_config({**tree, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6,
+                                   "speculative_adaptive": True, "speculative_adaptive_config": None})
+    assert adaptive is not None and adaptive.engine_args["speculative_adaptive"] is True
+    assert adaptive.to_manifest()["adaptive"] is True and chain.to_manifest()["adaptive"] is False
+    assert "speculative_adaptive_config" in adaptive.engine_args

@@ -180,7 +180,9 @@ EVAL_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "default": 0.95,
         "exclusiveMinimum": 0.5,
         "exclusiveMaximum": 1,
-        "description": "Confidence level of the bootstrap intervals of acceptance length (BCa, rows resampled).",
+        "description": "Confidence level of the intervals of acceptance length and of the paired differences, "
+        "over prompts (a prompt's rows resampled together): a percentile bootstrap at the expanded level up to "
+        "2,000 prompts, the delta method above; no interval under 10 prompts (docs/evaluation.md).",
         "section": SECTION_EVAL_RUN,
     },
 }
@@ -375,11 +377,16 @@ class EvalConfig:
             "request_timeout_s": self.request_timeout_s,
             "limit": self.max_prompts,
             "aws_conn_id": self.aws_conn_id,
+            # The condition owns the request: rows' own enable_thinking / sampling are recorded, not sent.
+            "row_settings": "record",
             # An eval measures what the servers do: an error or a cut-off answer is a row to count,
             # never a reason to stop measuring the others.
             "max_error_rate": 1.0,
             "max_truncation_rate": 1.0,
             "max_missing_reasoning_rate": 1.0,
+            # ... and a rerun of a complete condition sends nothing: its error rows are what was measured
+            # (a new output_uri measures again).
+            "retry_failed_rows": "none",
         }
         assert set(params) <= set(PARAM_SCHEMAS)
         return RunConfig.from_params(params)

@@ -242,6 +242,17 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "manifest with the input (docs/mix.md).",
         "section": SECTION_SAMPLING,
     },
+    "row_settings": {
+        "type": "string",
+        "enum": ["apply", "record"],
+        "default": "apply",
+        "description": "What a prompt row's own `enable_thinking` and `sampling` do. 'apply': they override "
+        "the run's settings for that row (a mixed dataset). 'record': every request is sent with the run's "
+        "settings; the rows' own are kept in each row's metadata (`row_enable_thinking`, `row_sampling`) "
+        "and counted in the manifest (input.row_settings). dflash_eval uses 'record', so a condition sends "
+        "what it names. Pinned with the input.",
+        "section": SECTION_SAMPLING,
+    },
     "sampling_extra": {
         "type": ["null", "object"],
         "default": None,
@@ -492,6 +503,8 @@ class Sampling:
     # all), extra sampling fields for every request, and per-sample overrides (sample k: entry k % len).
     thinking_fraction: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    # "apply": a row's own enable_thinking / sampling override the run's; "record": kept, not sent.
+    row_settings: str = "apply"
     ladder: tuple[dict[str, Any], ...] = field(default=(), hash=False)
 
     def base_fields(self) -> dict[str, Any]:
@@ -617,6 +630,7 @@ class RunConfig:
             thinking_fraction=None if fraction is None else float(fraction),
             extra=extra,
             ladder=ladder,
+            row_settings=str(get("row_settings")),
         )
         return cls(
             prompts_uri=params["prompts_uri"] if isinstance(params["prompts_uri"], str) else list(params["prompts_uri"]),

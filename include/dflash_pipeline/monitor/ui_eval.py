@@ -122,6 +122,11 @@ def eval_report_section(view: Mapping[str, Any]) -> str:
         parts.append(paired_table(report, headline))
     if report.get("groups"):
         parts.append("<h3>Each drafter and condition</h3>" + status_table(report, dataset_url))
+    notes = [f"{c}: {d}" for c, ds in (report.get("row_settings") or {}).items() for d in ds]
+    notes += [f"{g}: {n}" for g, ns in (report.get("engine_notes") or {}).items() for n in ns]
+    if notes:
+        parts.append('<h3>What was sent and how the servers count</h3><ul class="eval-notes">'
+                     + "".join(f"<li>{ui._e(n)}</li>" for n in notes) + "</ul>")
     links = []
     if view.get("report_url"):
         links.append(f'<a id="report-link" href="{ui._e(view["report_url"])}">full report</a>')

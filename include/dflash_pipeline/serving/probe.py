@@ -49,6 +49,25 @@ def _get_text(session: requests.Session, server: ServerSpec, path: str, timeout_
     return resp.text if resp.status_code == 200 else None
 
 
+def think_token_ids(session: requests.Session, server: ServerSpec, model: str, timeout_s: float = 10.0
+                    ) -> dict[str, int] | None:
+    """The ids of `<think>` and `</think>` in the served tokenizer, from vLLM's `POST /tokenize`
+    (a text prompt, no special tokens added); None when the server has no such route or either tag
+    is not one token. Preflight looks for them among an answer's generated ids."""
+    out: dict[str, int] = {}
+    for tag in ("<think>", "</think>"):
+        try:
+            r = session.post(f"{server.base_url}/tokenize", headers=server.headers(), timeout=timeout_s,
+                             json={"model": model, "prompt": tag, "add_special_tokens": False})
+            ids = r.json().get("tokens") if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+        if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int)):
+            return None
+        out[tag] = ids[0]
+    return out
+
+
 def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float = 10.0) -> ServerInfo:
     """Health, engine, server info and served models of one server. Raises RequestFailure.
 
@@ -104,6 +123,8 @@ def probe_server(session: requests.Session, server: ServerSpec, timeout_s: float
             version=info.get("version"),
             engine=Engine.SGLANG.value,
             speculative=spec.to_manifest() if spec else None,
+            reasoning_parser=str(info["reasoning_parser"]) if info.get("reasoning_parser") else None,
+            reasoning_parser_reported="reasoning_parser" in info,
         )
     version: str | None = None
     raw_version = _get_text(session, server, "/version", timeout_s)

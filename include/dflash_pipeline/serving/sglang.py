@@ -80,6 +80,11 @@ class ServerInfo:
     # The server's speculative decoding (specwire.SpecConfig.to_manifest()), None when it does not
     # speculate: recorded in the manifest's server entry as `speculative`.
     speculative: dict[str, Any] | None = None
+    # The reasoning parser the server reports (SGLang's server args `reasoning_parser`; None there =
+    # started without one). `reasoning_parser_reported` False: the engine does not say (vLLM's HTTP API
+    # has no such field; /server_info exists only with VLLM_SERVER_DEV_MODE).
+    reasoning_parser: str | None = None
+    reasoning_parser_reported: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -107,11 +107,16 @@ class SpecConfig:
     engine_version: str | None
     stats_source: str | None
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # SGLang --speculative-adaptive (0.5.19+, EAGLE/EAGLE3 with topk 1): the draft depth changes at run
+    # time between the config's candidate steps, 0 included (plain decode steps, which SGLang counts
+    # in spec_verify_ct as steps that accepted nothing).
+    adaptive: bool = False
 
     def to_manifest(self) -> dict[str, Any]:
         return {
             "algorithm": self.algorithm,
             "num_draft_tokens": self.num_draft_tokens,
+            "adaptive": self.adaptive,
             "engine": self.engine,
             "engine_version": self.engine_version,
             "stats_source": self.stats_source,
@@ -151,11 +156,17 @@ def sglang_spec_config(info: Mapping[str, Any]) -> SpecConfig | None:
     elif v is not None and v >= SGLANG_META_INFO_SINCE:
         source = SOURCE_SGLANG_META
     tokens = _num(args.get("speculative_num_draft_tokens"))
+    steps, topk = _num(args.get("speculative_num_steps")), _num(args.get("speculative_eagle_topk"))
     engine_args = {k: args.get(k) for k in (
         "speculative_algorithm", "speculative_num_draft_tokens", "speculative_num_steps",
-        "speculative_eagle_topk", "speculative_draft_model_path") if k in args}
-    return SpecConfig(str(algorithm), tokens - 1 if tokens else None, "sglang",
-                      None if version is None else str(version), source, engine_args)
+        "speculative_eagle_topk", "speculative_draft_model_path", "speculative_adaptive",
+        "speculative_adaptive_config") if k in args}
+    # An EAGLE tree (topk > 1) verifies speculative_num_draft_tokens nodes, but a step accepts one path
+    # of the tree: at most speculative_num_steps drafts (its depth). A chain (topk 1), DFlash's block and
+    # the others accept up to speculative_num_draft_tokens - 1 (the count includes the target's token).
+    most = steps if topk is not None and topk > 1 and steps else (tokens - 1 if tokens else None)
+    return SpecConfig(str(algorithm), most, "sglang", None if version is None else str(version), source, engine_args,
+                      adaptive=bool(args.get("speculative_adaptive")))
 
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts"

@@ -155,6 +155,40 @@ class MixStats:
                 "rows_with_sampling": self.rows_with_sampling}
 
 
+@dataclass
+class RowSettings:
+    """The rows' own `enable_thinking` / `sampling` under row_settings="record": taken off the row
+    (so the run's settings are sent), kept in its metadata (`row_enable_thinking`, `row_sampling`,
+    carried into every completion row) and counted for the manifest (`input.row_settings`)."""
+
+    thinking_on: int = 0
+    thinking_off: int = 0
+    with_sampling: int = 0
+    sampling_keys: set[str] = field(default_factory=set)
+    temperatures: set[float] = field(default_factory=set)
+
+    def take(self, p: Prompt) -> Prompt:
+        if p.thinking is None and not p.sampling:
+            return p
+        self.thinking_on += p.thinking is True
+        self.thinking_off += p.thinking is False
+        kept: dict[str, Any] = {}
+        if p.thinking is not None:
+            kept["row_enable_thinking"] = p.thinking
+        if p.sampling:
+            self.with_sampling += 1
+            self.sampling_keys.update(p.sampling)
+            if isinstance(p.sampling.get("temperature"), (int, float)) and len(self.temperatures) < 32:
+                self.temperatures.add(float(p.sampling["temperature"]))
+            kept["row_sampling"] = p.sampling
+        return dataclasses.replace(p, thinking=None, sampling=None, metadata={**(p.metadata or {}), **kept})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": "record", "rows_thinking_on": self.thinking_on, "rows_thinking_off": self.thinking_off,
+                "rows_with_sampling": self.with_sampling, "sampling_keys": sorted(self.sampling_keys),
+                "temperatures": sorted(self.temperatures)}
+
+
 class _Deduper:
     """Drops repeated prompts, rejects one id used for different content.
 
@@ -238,6 +272,8 @@ def pinned_settings(cfg: RunConfig, input_etag: str | None, input_size: int | No
     # the input; extras and the ladder are applied per request (changeable with accept_pin_changes).
     if s.thinking_fraction is not None:
         pins["input"]["thinking_fraction"] = s.thinking_fraction
+    if s.row_settings != "apply":  # decides what plan writes into the inputs
+        pins["input"]["row_settings"] = s.row_settings
     if s.extra:
         pins["sampling"]["extra"] = dict(s.extra)
     if s.ladder:
@@ -488,6 +524,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
                 yield item, n
 
     mix = MixStats(fraction=cfg.sampling.thinking_fraction)
+    own = RowSettings() if cfg.sampling.row_settings == "record" else None
 
     def units() -> Iterator[tuple[Prompt, int, bool | None]]:
         # One planned row per (id, sample); a prompt's samples are neighbours, so they usually share
@@ -501,7 +538,7 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
         def prompts_only() -> Iterator[Prompt]:
             for prompt, n in accepted_prompts():
                 copies[prompt.id] = n
-                yield prompt
+                yield prompt if own is None else own.take(prompt)
 
         for prompt, thinking in thinking_modes(prompts_only(), cfg.sampling.thinking_fraction):
             mix.count(prompt, thinking)
@@ -578,6 +615,8 @@ def run_plan(client: Any, cfg: RunConfig, run_id: str) -> dict[str, Any]:
             # (preflight checks them against each server's engine).
             "thinking": mix.to_dict(cfg.sampling.enable_thinking),
             "sampling_keys": sorted(mix.sampling_keys),
+            # row_settings="record": what the rows asked for themselves (not sent).
+            **({} if own is None else {"row_settings": own.to_dict()}),
         },
         "chunks": {
             "save_every": cfg.save_every,

@@ -18,14 +18,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflash_pipeline.config import ConfigError, RunConfig
+from dflash_pipeline.config import ConfigError, RunConfig, Sampling
 from dflash_pipeline.dataset.sampling import DIALECTS, unsupported_keys
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.records import decode_inputs
 from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.serving.abilities import server_abilities, token_exact_warning
-from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency, probe_server
+from dflash_pipeline.serving.probe import concurrency_warning, derive_concurrency, probe_server, think_token_ids
 from dflash_pipeline.serving.sglang import (
+    THINK_CLOSE,
     RequestFailure,
     ServerInfo,
     ServerSpec,
@@ -66,21 +67,112 @@ def proof_messages(store: Store, layout: DatasetLayout) -> tuple[list[dict[str, 
     return PROOF_MESSAGES, None
 
 
+# Settling "no reasoning" (the proof answer had none): thinking models close their thinking at once on
+# some prompts, and some checkpoints always do greedily, so one answer cannot tell "no reasoning parser"
+# from "chose not to think". Before a refusal: the same prompt again with another seed (sampled), then
+# the tiny proof prompt sampled with two more seeds; sampled at the run's temperature, or at
+# SETTLE_TEMPERATURE / SETTLE_TOP_P when the run is greedy (Qwen3's thinking-mode sampling).
+SETTLE_TEMPERATURE = 0.6
+SETTLE_TOP_P = 0.95
+SETTLE_SEEDS = (101, 202, 303)
+
+
+def _answer_seen(completion: Any, temperature: float, seed: int | None, think_ids: dict[str, int] | None,
+                 prompt: str) -> dict[str, Any]:
+    """What one proof answer showed about its thinking (what a refusal names)."""
+    ids = completion.output_token_ids
+    close = None if think_ids is None or ids is None else int(think_ids["</think>"]) in set(ids.tolist())
+    return {"prompt": prompt, "temperature": temperature, "seed": seed, "finish_reason": completion.finish_reason,
+            "completion_tokens": completion.completion_tokens, "reasoning_chars": len(completion.reasoning or ""),
+            "reasoning_source": completion.reasoning_source,
+            "think_close_in_ids": close, "think_close_in_text": THINK_CLOSE in (completion.content or ""),
+            # what the answer added to a speculating server's counters (the eval's /metrics accounting)
+            "spec": completion.spec.to_columns() if completion.spec is not None else None}
+
+
+def _thinks(completion: Any) -> bool:
+    """Thinking that can be split from the answer: a reasoning field or think tags in the text."""
+    return bool(completion.reasoning) or completion.reasoning_source == "inline"
+
+
+def settle_reasoning(
+    first: Any, ask: Callable[[list[dict[str, str]], Sampling, str], Any], sampling: Sampling,
+    messages: list[dict[str, str]], info: ServerInfo, think_ids: Callable[[], dict[str, int] | None],
+) -> dict[str, Any]:
+    """Whether a thinking-on server can split thinking, settled over several answers when the first had
+    none (see SETTLE_*). Returns {"verdict", "answers", "parser", "evidence"}; verdict "thinks" (an
+    answer thought), or "refuse" with `evidence` saying why: no answer thought, and what the server
+    reports about its parser and what the answers' token ids show."""
+    seen: list[dict[str, Any]] = []
+    ids = None
+    if not _thinks(first):
+        ids = think_ids()
+    seen.append(_answer_seen(first, sampling.temperature, sampling.seed, ids, "plan"))
+    parser = ({"reported": True, "name": info.reasoning_parser} if info.reasoning_parser_reported
+              else {"reported": False, "why": f"the server ({info.engine}) does not report its reasoning parser"})
+    if _thinks(first):
+        return {"verdict": "thinks", "answers": seen, "parser": parser}
+    hot = sampling.temperature if sampling.temperature > 0 else SETTLE_TEMPERATURE
+    top_p = sampling.top_p if sampling.temperature > 0 else SETTLE_TOP_P
+    tries = [(messages, "plan", SETTLE_SEEDS[0]), (PROOF_MESSAGES, "tiny", SETTLE_SEEDS[1]),
+             (PROOF_MESSAGES, "tiny", SETTLE_SEEDS[2])]
+    for msgs, label, seed in tries:
+        again = dataclasses.replace(sampling, temperature=hot, top_p=top_p, seed=seed)
+        try:
+            completion = ask(msgs, again, f"settle-{seed}")
+        except RequestFailure as exc:
+            seen.append({"prompt": label, "temperature": hot, "seed": seed, "failed": exc.message[:200]})
+            continue
+        seen.append(_answer_seen(completion, hot, seed, ids, label))
+        if _thinks(completion):
+            return {"verdict": "thinks", "answers": seen, "parser": parser}
+    in_ids = [a for a in seen if a.get("think_close_in_ids") and not a.get("think_close_in_text")]
+    if info.reasoning_parser_reported and info.reasoning_parser:
+        evidence = (f"the server reports reasoning parser {info.reasoning_parser!r}, yet the model did not think in "
+                    f"any of {len(seen)} answers (sampled ones included): it closes its thinking at once or ignores "
+                    "enable_thinking (its chat template?)")
+    elif info.reasoning_parser_reported:
+        evidence = "the server reports no reasoning parser (started without --reasoning-parser)"
+    elif in_ids:
+        evidence = (f"{len(in_ids)} answer(s) generated </think> (token id {ids['</think>'] if ids else '?'}) that "
+                    "their text does not hold: a reasoning parser took it out, but the model closed its thinking at "
+                    "once every time (sampled included): it ignores enable_thinking or never thinks")
+    else:
+        how = ("no </think> among their generated token ids" if ids is not None and any(
+            a.get("think_close_in_ids") is not None for a in seen)
+            else "their token ids could not be checked (no ids, or no /tokenize to find </think>)")
+        evidence = f"{parser['why']}; {how}"
+    return {"verdict": "refuse", "answers": seen, "parser": parser, "evidence": evidence}
+
+
+def _seen_text(answers: list[dict[str, Any]]) -> str:
+    return "; ".join(
+        f"{a['prompt']} prompt at temperature {a['temperature']:g}" + (f" seed {a['seed']}" if a.get("seed") is not None
+                                                                        else "")
+        + (f": failed ({a['failed']})" if a.get("failed") else
+           f": {a['finish_reason']}, {a['completion_tokens']} tokens, no reasoning field, "
+           f"{'</think> in the text' if a['think_close_in_text'] else 'no think tags in the text'}"
+           + ("" if a["think_close_in_ids"] is None else
+              f", </think> {'among' if a['think_close_in_ids'] else 'not among'} its token ids"))
+        for a in answers)
+
+
 def prove_server(
     spec: ServerSpec, info: ServerInfo, cfg: RunConfig, model: str, run_id: str,
     messages: list[dict[str, str]], longest: dict[str, Any] | None, thinking: bool | None = None,
 ) -> dict[str, Any]:
     """One chat request with the run's settings, the plan's longest prompt. Raises ConfigError when
-    the server cannot do the job: with thinking enabled its answer has neither a reasoning field nor
-    `<think>` in the content (no reasoning parser and a template that hides the tags). Whether its
-    context holds max_tokens plus that prompt is returned (`fits`) and judged against the fleet by
-    `judge_context`. A transient failure raises RequestFailure (server down)."""
+    the server cannot do the job: with thinking enabled no answer has thinking that can be split from
+    it (a reasoning field or `<think>` tags in the text), settled over several answers before a
+    refusal (settle_reasoning). Whether its context holds max_tokens plus that prompt is returned
+    (`fits`) and judged against the fleet by `judge_context`. A transient failure raises
+    RequestFailure (server down)."""
     thinking = cfg.sampling.enable_thinking if thinking is None else thinking
     sampling = dataclasses.replace(cfg.sampling, max_tokens=PROOF_MAX_TOKENS, enable_thinking=thinking)
     headers = {"X-Request-Id": f"{PROOF_REQUEST_PREFIX}-{run_id}-{spec.name}"[:200]}
 
-    def ask(msgs: list[dict[str, str]]) -> tuple[Any, float]:
-        body = build_chat_body(msgs, model, sampling, "preflight-proof", info.engine,
+    def ask(msgs: list[dict[str, str]], how: Sampling = sampling, prompt_id: str = "preflight-proof") -> tuple[Any, float]:
+        body = build_chat_body(msgs, model, how, prompt_id, info.engine,
                                spec_fields=request_fields(info.speculative), max_tokens_cap=PROOF_MAX_TOKENS)
         for attempt in range(1, PROOF_ATTEMPTS + 1):
             try:
@@ -107,16 +199,24 @@ def prove_server(
             raise
         fits = False  # the prompt alone is refused; the answer's shape is proven on a short one
         logger.warning("server %s: the plan's longest prompt does not fit its context: %s", spec.name, exc.message)
+        messages = PROOF_MESSAGES
         completion, latency = ask(PROOF_MESSAGES)
     shape = completion.reasoning_source or "none"
-    if thinking and not completion.reasoning:
-        raise ConfigError(
-            f"server {spec.name} ({info.engine} {info.version or ''}): with enable_thinking the proof "
-            "answer has no reasoning field and no <think> in its content, so thinking cannot be split "
-            "from answers (finish_reason "
-            f"{completion.finish_reason}, {completion.completion_tokens} tokens). Start the server with a "
-            "reasoning parser (SGLang or vLLM --reasoning-parser), or set enable_thinking=false"
-        )
+    settled: dict[str, Any] | None = None
+    if thinking and not _thinks(completion):
+        settled = settle_reasoning(
+            completion, lambda m, how, pid: ask(m, how, pid)[0], sampling, messages, info,
+            lambda: think_token_ids(new_session(), spec, model) if info.engine == "vllm" else None)
+        if settled["verdict"] == "refuse":
+            raise ConfigError(
+                f"server {spec.name} ({info.engine} {info.version or ''}): with enable_thinking no proof answer "
+                f"had thinking, so thinking cannot be split from answers. Seen: {_seen_text(settled['answers'])}. "
+                f"{settled['evidence'][:1].upper()}{settled['evidence'][1:]}. Start the server with a reasoning "
+                "parser (SGLang or vLLM --reasoning-parser) and a model whose chat template honours enable_thinking, "
+                "or measure with thinking off (enable_thinking=false; dflash_eval: thinking_modes [\"off\"])")
+        logger.warning("server %s: the first proof answer did not think (%s); settled: an answer with another seed "
+                       "did", spec.name, _seen_text(settled["answers"][:1]))
+        shape = next((a["reasoning_source"] for a in settled["answers"] if a.get("reasoning_source")), shape)
     return {
         "prompt_tokens": prompt_tokens,
         "fits": fits,
@@ -124,6 +224,8 @@ def prove_server(
         "completion_tokens": completion.completion_tokens,
         "finish_reason": completion.finish_reason,
         "reasoning_shape": shape,
+        # When the first answer did not think: every answer asked to settle it (settle_reasoning).
+        "reasoning_settled": settled,
         "longest_prompt_id": longest["id"] if longest else None,
         "latency_s": round(latency, 3),
         # The proof's speculative statistics (None when the answer had none): they confirm

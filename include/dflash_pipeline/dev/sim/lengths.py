@@ -184,7 +184,8 @@ class Completion:
 
 
 def render_completion(
-    plan: LengthPlan, *, max_tokens: int | None, separate_reasoning: bool, loop: bool = False
+    plan: LengthPlan, *, max_tokens: int | None, separate_reasoning: bool, loop: bool = False,
+    empty_think: bool = False,
 ) -> Completion:
     """Apply the ``max_tokens`` budget to ``plan`` and produce the message texts.
 
@@ -192,7 +193,8 @@ def render_completion(
     runs out inside the thinking (or exactly at its end) gives ``content == ""`` (SGLang's
     parser returns an empty answer there; we choose "" over None) and ``finish_reason
     "length"``.  Inline mode: ``content = "<think>\\n" + thinking + "\\n</think>\\n\\n" +
-    answer``; cut inside the thinking, the closing tag is missing.
+    answer``; cut inside the thinking, the closing tag is missing. `empty_think` (the plan has no
+    thinking because the model closed it at once): inline, the empty block precedes the answer.
     """
     budget = math.inf if max_tokens is None else max(0, int(max_tokens))
     thinking_n, answer_n = plan.thinking_tokens, plan.answer_tokens
@@ -200,6 +202,13 @@ def render_completion(
     if loop and thinking_n:  # a looping model: its thinking never ends, max_tokens cuts it
         thinking, thinking_n = "thinking-loop", max(thinking_n, int(min(budget, 1 << 30)) + 1)
 
+    if thinking_n == 0 and empty_think and not separate_reasoning:
+        # a thinking model that closed its thinking at once, no parser: the empty block stays inline
+        used = int(min(answer_n + 2, budget))
+        if used <= 2:
+            return _finish(" ".join([f"{THINK_OPEN}\n", f"\n{THINK_CLOSE}"][:used]), None, used, 0, False)
+        return _finish(f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n" + words(plan.text_seed, "answer", used - 2), None, used, 0,
+                       used == answer_n + 2)
     if thinking_n == 0:
         used = int(min(answer_n, budget))
         return _finish(words(plan.text_seed, "answer", used), None, used, 0, used == answer_n)

@@ -163,6 +163,15 @@ class SimConfig:
     thinks: bool = True
     """False: a model (or chat template) that ignores enable_thinking and never thinks, so its
     answers carry no reasoning at all and thinking cannot be split from them."""
+    skip_thinking_greedy: bool = False
+    """With thinking on, every answer at temperature 0 closes its thinking at once (an empty think block),
+    as some checkpoints do greedily while they think when sampled (the tiny designed one did)."""
+    skip_thinking_rate: float = 0.0
+    """With thinking on, the share of sampled answers (temperature > 0 or none sent) that close their
+    thinking at once, as real thinking models do on some prompts. Drawn from the prompt and the request's
+    seed: another seed draws again. The answer is what the engine's parser makes of `</think>` right
+    after the generation prompt's `<think>`: no reasoning (SGLang null, vLLM empty), inline (no parser)
+    `<think>\n\n</think>\n\n` before the answer."""
     engine: str = "sglang"
     """Wire flavour: "sglang", or "vllm" (vLLM's OpenAI server, see vllm_wire.py)."""
     tokenizer_dir: str | None = None
@@ -218,6 +227,8 @@ def validate_config(config: SimConfig) -> None:
                  "startup_delay_s", "hang_s"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} must be >= 0")
+    if not 0.0 <= config.skip_thinking_rate <= 1.0:
+        raise ValueError("skip_thinking_rate must be within [0, 1]")
     rates = ("error_rate", "unavailable_rate", "hang_rate", "reset_rate", "abort_rate", "loop_rate")
     for name in rates:
         if not 0.0 <= getattr(config, name) <= 1.0:
@@ -881,13 +892,17 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
         cap = max_tokens if max_tokens is not None else config.context_length - prompt_tokens
         parser_on = config.reasoning_parser is not None and (separate_reasoning or config.engine == "vllm")
         loop = config.loop_rate > 0 and random.Random(f"{plan.text_seed}:loop").random() < config.loop_rate
-        completion = lengths.render_completion(plan, max_tokens=cap, separate_reasoning=parser_on, loop=loop)
+        skip = enable_thinking and self._skips_thinking(plan.text_seed)
+        if skip:  # the model closes its thinking at once: no thinking words
+            plan = dataclasses.replace(plan, thinking_tokens=0)
+        completion = lengths.render_completion(plan, max_tokens=cap, separate_reasoning=parser_on, loop=loop,
+                                               empty_think=skip)
         generated = None
         if token_model is not None:
             full = lengths.render_completion(plan, max_tokens=None, separate_reasoning=True)
             generated = token_model.generate(
                 messages, {**self._template_kwargs, "enable_thinking": enable_thinking},
-                full.reasoning_content, full.content, cap, config.noncanonical_rate,
+                "" if skip else full.reasoning_content, full.content, cap, config.noncanonical_rate,
                 seed=plan.text_seed, strip_parsed=config.engine != "vllm")
             completion = _token_completion(generated, parser_on)
         if fault == "abort":
@@ -946,6 +961,15 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
             "id": answer["id"], "finish_reason": {"type": completion.finish_reason}, "prompt_tokens": prompt_tokens,
             "completion_tokens": completion.completion_tokens, "cached_tokens": cached})
         self._send_json(200, answer)
+
+    def _skips_thinking(self, text_seed: int) -> bool:
+        """Whether this thinking-on answer closes its thinking at once (SimConfig.skip_thinking_*)."""
+        config = self.server.sim.config
+        temperature = self._req_temperature
+        if temperature is not None and temperature == 0:
+            return config.skip_thinking_greedy
+        return (config.skip_thinking_rate > 0
+                and random.Random(f"{text_seed}:skip-thinking").random() < config.skip_thinking_rate)
 
     def _count_prompt(self, messages: list[Any], enable_thinking: bool) -> int:
         """`usage.prompt_tokens`: the rendered, encoded prompt with a tokenizer (tokens.py), else the word model's."""
@@ -1013,6 +1037,9 @@ class _Handler(vllm_wire.VllmEndpoints, spec_sglang.SglangMetricsEndpoint, BaseH
                 return None
         seed = obj.get("seed")
         self._req_seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+        temperature = obj.get("temperature")
+        self._req_temperature = (float(temperature) if isinstance(temperature, (int, float))
+                                 and not isinstance(temperature, bool) else None)
         separate_reasoning = obj.get("separate_reasoning", True) is not False
         supported = self.server.sim.config.token_ids_supported
         self._return_token_ids = supported and obj.get("return_token_ids") is True

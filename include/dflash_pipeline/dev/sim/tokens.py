@@ -116,6 +116,8 @@ class SimTokenModel:
         empty_block = prompt.endswith(f"{THINK_CLOSE}\n\n")
         if thinking is None or empty_block:
             raw = answer
+        elif opened and not thinking:  # thinking closed at once, right after the prompt's <think>
+            raw = f"{THINK_CLOSE}\n\n{answer}"
         elif opened:
             raw = f"{thinking}\n{THINK_CLOSE}\n\n{answer}"
         else:

@@ -49,6 +49,7 @@ alone: vLLM has no per-request ``separate_reasoning``.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Any
@@ -81,6 +82,7 @@ POST_ROUTES = {
     "/sim/config": "_sim_config",
     "/sim/crash": "_sim_crash",
     "/sim/reset_stats": "_sim_reset_stats",
+    "/tokenize": "_vllm_tokenize",
     **{route: "_vllm_scale_out_disabled" for route in SCALE_OUT_ROUTES},
 }
 
@@ -266,6 +268,27 @@ class VllmEndpoints:
         text += generation_tokens_lines(config.served_model_name, self.sim._sched.generated(), self.sim.created_t)
         text += spec_vllm.metrics_lines(config.served_model_name, self.sim.spec_counters, self.sim.created_t)
         self._send(200, text.encode(), content_type=METRICS_CONTENT_TYPE)  # type: ignore[attr-defined]
+
+    def _vllm_tokenize(self, body: bytes) -> None:
+        """vLLM's `POST /tokenize` for a text prompt ({"model", "prompt", "add_special_tokens"} ->
+        {"count", "max_model_len", "tokens", "token_strs"}; entrypoints/serve/tokenize). Served with a
+        tokenizer_dir (the word model has no ids): 404 without, as a server without the route."""
+        from dflash_pipeline.dev.sim import tokens
+
+        config = self.sim.config
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            obj = None
+        if not config.tokenizer_dir:
+            self._send_json(404, {"detail": "Not Found"})  # type: ignore[attr-defined]
+            return
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            self._send_json(400, error_body(400, "prompt: Field required", "BadRequestError"))  # type: ignore[attr-defined]
+            return
+        ids = tokens.load_token_model(config.tokenizer_dir).encode(obj["prompt"])
+        self._send_json(200, {"count": len(ids), "max_model_len": config.context_length,  # type: ignore[attr-defined]
+                              "tokens": ids, "token_strs": None})
 
     def _vllm_scale_out_disabled(self, _body: bytes) -> None:
         self._send_json(403, error_body(403, SCALE_OUT_DISABLED_MSG, "PermissionDeniedError"))  # type: ignore[attr-defined]

@@ -29,7 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from dflash_pipeline.serving.specstats import SpecStats, breakdown, group_figure, paired_difference, total
+from dflash_pipeline.serving.specstats import (
+    SpecStats,
+    breakdown,
+    group_figure,
+    paired_difference,
+    per_position_rates,
+    total,
+)
 
 UNKNOWN = "unknown"
 COMPLETE, PARTIAL, UNTRUSTED, FAILED = "complete", "partial", "untrusted", "failed"
@@ -61,13 +68,26 @@ def domain_of(row: Mapping[str, Any]) -> str:
     return str(d) if d not in (None, "") else UNKNOWN
 
 
-def acceptance(rows: Sequence[Mapping[str, Any]], confidence: float) -> dict[str, Any]:
-    """Token-weighted acceptance over completions, its CI, per-position rates, the summed histogram."""
+def acceptance(rows: Sequence[Mapping[str, Any]], confidence: float, draft_length: int | None = None
+               ) -> dict[str, Any]:
+    """Token-weighted acceptance over completions, its CI, per-position rates, the summed histogram.
+
+    `rows_with_stats` counts every row the server gave statistics for, 0 verify steps included (an
+    answer ended before any draft: it adds nothing to either sum). `draft_length` (the most drafts a
+    step can accept, from the servers' manifest entries) pads the histogram and the per-position rates
+    to that length: engines send histograms of different lengths for the same steps (SGLang's of a
+    drafter that never accepts is [V], vLLM's [V, 0, ..., 0])."""
     fig = group_figure(rows, confidence=confidence)
     summed = total(SpecStats.from_columns(r) for r in rows)
     out = fig.to_dict()
-    out["rows_without_stats"] = fig.rows - fig.rows_with_stats
-    out["histogram"] = list(summed.histogram) if summed and summed.histogram is not None else None
+    out["rows_with_verify_steps"] = fig.rows_with_stats
+    out["rows_with_stats"] = sum(1 for r in rows if SpecStats.from_columns(r) is not None)
+    out["rows_without_stats"] = fig.rows - out["rows_with_stats"]
+    hist = list(summed.histogram) if summed and summed.histogram is not None else None
+    if hist is not None and draft_length and len(hist) < draft_length + 1:
+        hist += [0] * (draft_length + 1 - len(hist))
+        out["per_position"] = per_position_rates(hist)
+    out["histogram"] = hist
     out["draft_tokens"] = summed.draft_tokens if summed else None
     out["draft_acceptance_rate"] = summed.draft_acceptance_rate if summed else None
     return out
@@ -246,14 +266,15 @@ def condition_status(fig: Mapping[str, Any], *, baseline: bool) -> tuple[str, li
 
 def condition_figures(rows: Sequence[Mapping[str, Any]], docs: Sequence[Mapping[str, Any]], *,
                       concurrency: int | None, n_servers: int, confidence: float, planned: int | None,
-                      baseline: bool = False, engines: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+                      baseline: bool = False, engines: Mapping[str, str | None] | None = None,
+                      draft_length: int | None = None) -> dict[str, Any]:
     done = completions(rows)
     figures: dict[str, Any] = {
         "rows": len(rows), "planned": planned, "missing": None if planned is None else max(0, planned - len(rows)),
         "completions": len(done), "errors": len(rows) - len(done),
         "truncated": sum(1 for r in done if r.get("finish_reason") == "length"),
         "output_tokens": sum(int(r.get("completion_tokens") or 0) for r in done),
-        "acceptance": acceptance(done, confidence),
+        "acceptance": acceptance(done, confidence, draft_length),
         # completions whose server gave statistics, 0 verify steps included (an answer the server ended
         # before any draft was measured: nothing to accept); the status's share counts these
         "stats_reported": sum(1 for r in done if SpecStats.from_columns(r) is not None),
@@ -261,7 +282,9 @@ def condition_figures(rows: Sequence[Mapping[str, Any]], docs: Sequence[Mapping[
         "throughput": throughput(rows, docs, concurrency, n_servers),
         "crosscheck": crosscheck(rows, docs, engines),
     }
-    for fig in figures["by_domain"].values():
+    for domain, fig in figures["by_domain"].items():
+        fig["rows_with_verify_steps"] = fig["rows_with_stats"]
+        fig["rows_with_stats"] = sum(1 for r in done if domain_of(r) == domain and SpecStats.from_columns(r) is not None)
         fig["rows_without_stats"] = fig["rows"] - fig["rows_with_stats"]
     figures["crosscheck_verdict"] = crosscheck_verdict(figures["crosscheck"])
     figures["status"], figures["status_reasons"] = condition_status(figures, baseline=baseline)

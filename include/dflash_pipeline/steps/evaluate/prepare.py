@@ -21,6 +21,7 @@ from dflash_pipeline.config.evaluate import Condition, EvalConfig
 from dflash_pipeline.dataset.layout import DatasetLayout
 from dflash_pipeline.dataset.store import Store, with_retries
 from dflash_pipeline.serving.sglang import ServerSpec
+from dflash_pipeline.steps.evaluate.groups import comparability_refusals, probe_groups
 from dflash_pipeline.steps.plan import run_plan
 from dflash_pipeline.steps.preflight import run_preflight
 
@@ -43,8 +44,16 @@ def resolve_prompts(client: Any, cfg: EvalConfig) -> tuple[str, bool | None, dic
     key = heldout.get("key")
     if not key:
         raise ConfigError(
-            f"dataset_uri {cfg.dataset_uri} has no held-out split (manifest.heldout.key is missing): generate it "
-            "with a held-out split, or name a benchmark file with prompts_uri")
+            f"dataset_uri {cfg.dataset_uri} has no held-out split (manifest.heldout.key is missing: it was generated "
+            "with heldout_fraction 0 and no heldout_uri), so it has no prompts its drafters were not trained on. "
+            "The split is pinned with the dataset's input and cannot be added to it. Ways out: name a benchmark "
+            "file with prompts_uri instead of dataset_uri, or generate a new dataset (a new output_uri) with "
+            "heldout_fraction (e.g. 0.01) or heldout_uri and evaluate that one. Nothing was sent to any server")
+    if not heldout.get("count"):
+        raise ConfigError(
+            f"dataset_uri {cfg.dataset_uri}: its held-out split holds no prompt (manifest.heldout.count is 0; "
+            f"fraction {heldout.get('fraction')}): name a benchmark file with prompts_uri, or generate a new "
+            "dataset (a new output_uri) with a larger heldout_fraction. Nothing was sent to any server")
     uri = key if str(key).startswith("s3://") else f"s3://{layout.bucket}/{key}"
     thinking = ((manifest.get("pinned") or {}).get("sampling") or {}).get("enable_thinking")
     source = {"kind": "heldout", "dataset_uri": cfg.dataset_uri, "prompts_uri": uri,
@@ -75,6 +84,13 @@ def prepare(
     logger.info("eval %s: %d group(s) x %d condition(s) on %s: %s", cfg.output_uri, len(cfg.groups), len(conditions),
                 prompts_uri, [c.name for c in conditions])
     specs = {g.name: [resolve(s) for s in g.servers] for g in cfg.groups}  # a bad connection id fails here
+    # Comparable groups (one target, one configuration per drafter, a baseline that does not speculate),
+    # from the servers' own reports, before anything is planned or any proof request is sent.
+    infos = probe_groups(cfg.groups, specs)
+    refusals = comparability_refusals(cfg.groups, {n: infos[spec.name] for g in cfg.groups
+                                                   for n, spec in zip(g.servers, specs[g.name]) if spec.name in infos})
+    if refusals:
+        raise ConfigError("the groups cannot be compared: " + "; ".join(refusals) + ". Nothing was planned or sent")
     per_server: dict[str, list[dict[str, Any]]] = {s: [] for g in cfg.groups for s in g.servers}
     for group in cfg.groups:
         for cond in conditions:

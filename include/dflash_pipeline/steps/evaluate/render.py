@@ -143,6 +143,10 @@ def condition_lines(report: Mapping[str, Any], cond: Mapping[str, Any]) -> list[
     lines = ["", f"## {name}", "",
              f"temperature {cond['temperature']}, top_p {cond['top_p']}, thinking "
              f"{'on' if cond['thinking'] else 'off'}, concurrency {cond['concurrency']}", ""]
+    differ = (report.get("row_settings") or {}).get(name) or []
+    if differ:
+        lines += ["The condition's settings were sent to every row; the prompt rows asked otherwise "
+                  "(kept in each row's metadata, not sent):", ""] + [f"- {d}" for d in differ] + [""]
     rows = []
     for g, conds in groups.items():
         fig = conds.get(name)
@@ -206,6 +210,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             if hist:
                 lines.append(f"- {g}: {hist}")
     lines += crosscheck_lines(report)
+    if report.get("engine_notes"):
+        lines += ["", "## How these servers count", ""]
+        lines += [f"- {g}: {n}" for g, notes in report["engine_notes"].items() for n in notes]
     lines += ["", "## How the figures are computed", ""]
     lines += [f"- **{k}**: {v}" for k, v in (report.get("definitions") or {}).items()]
     return "\n".join(lines) + "\n"

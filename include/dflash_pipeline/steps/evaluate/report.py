@@ -180,6 +180,50 @@ def build_report(cfg: EvalConfig, assignments: list[dict[str, Any]] | None, per_
     }
 
 
+def engine_notes(servers: dict[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+    """Per group, how its servers count where that changes what the figures mean (report.md states it)."""
+    out: dict[str, list[str]] = {}
+    for group, entries in servers.items():
+        notes: list[str] = []
+        for s in entries:
+            spec = s.get("speculative") or {}
+            args = spec.get("engine_args") or {}
+            if spec.get("adaptive"):
+                notes.append(f"{s.get('name')}: SGLang --speculative-adaptive: the draft depth changes at run time "
+                             "(the adaptive config's candidate steps; by default down to 0 steps from batch 8), and "
+                             "SGLang counts the plain decode steps run without drafts as verify steps that accepted "
+                             "nothing: this acceptance length is over every decode step, drafting or not, and the "
+                             "per-position shares mix depths")
+            topk = args.get("speculative_eagle_topk")
+            if isinstance(topk, int) and topk > 1:
+                notes.append(f"{s.get('name')}: an EAGLE tree (topk {topk}, {args.get('speculative_num_draft_tokens')} "
+                             f"nodes verified per step) accepts one path: at most {spec.get('num_draft_tokens')} drafts "
+                             "per step")
+        if notes:
+            out[group] = sorted(set(notes))
+    return out
+
+
+def row_settings_differ(cond: dict[str, Any], manifest: dict[str, Any] | None) -> list[str]:
+    """Where the prompt rows' own settings (plan's input.row_settings, recorded, not sent) differ
+    from the condition's: what the report shows beside the condition."""
+    own = ((manifest or {}).get("input") or {}).get("row_settings") or {}
+    out: list[str] = []
+    other = own.get("rows_thinking_off" if cond["thinking"] else "rows_thinking_on") or 0
+    if other:
+        out.append(f"{other} row(s) asked thinking {'off' if cond['thinking'] else 'on'}; sent "
+                   f"{'on' if cond['thinking'] else 'off'}")
+    if own.get("rows_with_sampling"):
+        temps = [t for t in own.get("temperatures") or [] if t != cond["temperature"]]
+        keys = [k for k in own.get("sampling_keys") or [] if k not in ("temperature", "top_p")]
+        what = (f" (temperature {', '.join(f'{t:g}' for t in temps)})" if temps else "") + (
+            f" (also {', '.join(keys)})" if keys else "")
+        if temps or keys or "top_p" in (own.get("sampling_keys") or []):
+            out.append(f"{own['rows_with_sampling']} row(s) carried their own sampling{what}; sent temperature "
+                       f"{cond['temperature']:g}, top_p {cond['top_p']:g}")
+    return out
+
+
 def _read_condition(store: Store, cfg: EvalConfig, group: Any, cond: dict[str, Any]
                     ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     """One (group, condition): its figures, its rows and its manifest."""
@@ -189,9 +233,13 @@ def _read_condition(store: Store, cfg: EvalConfig, group: Any, cond: dict[str, A
     docs = read_metric_docs(store, layout)
     engines = {str(s.get("name")): s.get("engine") for s in (manifest or {}).get("servers") or []}
     conc = None if cond["concurrency"] == "production" else int(cond["concurrency"])
+    lengths = [int((s.get("speculative") or {}).get("num_draft_tokens") or 0)
+               for s in (manifest or {}).get("servers") or []]
     fig = F.condition_figures(rows, docs, concurrency=conc, n_servers=len(group.servers), confidence=cfg.confidence,
-                              planned=planned, baseline=group.baseline, engines=engines)
+                              planned=planned, baseline=group.baseline, engines=engines,
+                              draft_length=max(lengths, default=0) or None)
     fig["root"] = layout.uri
+    fig["row_settings_differ"] = row_settings_differ(cond, manifest)
     return fig, rows, manifest
 
 
@@ -217,6 +265,11 @@ def run_report(client: Any, cfg: EvalConfig, assignments: list[dict[str, Any]] |
                     {k: s.get(k) for k in ("name", "engine", "version", "served_model_name", "speculative")}
                     for s in manifest.get("servers") or []]
     report = build_report(cfg, assignments, per_group, servers, rows_by)
+    report["engine_notes"] = engine_notes(servers)
+    # the same prompt rows under every group: the first group's manifest says for all
+    report["row_settings"] = {c["name"]: next((conds[c["name"]].get("row_settings_differ") or []
+                                               for conds in per_group.values() if c["name"] in conds), [])
+                              for c in conditions}
     if cfg.thinking_modes and len(cfg.thinking_modes) > 1:
         # each mode pools its conditions: the same prompts several times, resampled together (by id)
         report["by_thinking"] = {g: {m: F.acceptance(r, cfg.confidence) for m, r in modes.items()}
