@@ -277,3 +277,60 @@ def predict(d: Design, topic: str, thinking: bool, max_tokens: int, rng: np.rand
         last = int(toks[rng.choice(len(toks), p=np.array(ps) / sum(ps))])
         out.append(last)
     return out
+
+
+def specforge_files(target: Path, root: Path, count: int, *, seed: int = 0, max_length: int = 512,
+                    original: bool = False) -> list[Path]:
+    """``<root>/tokenized/specforge/part-000000.jsonl`` for `count` prompts of :func:`prompt_rows`, made by
+    the tokenize step's own functions (``dflash_ready``, ``build_profile_files``) from rows built as
+    ``dflash_tokenize`` builds them: the prompt as the chat template renders it (thinking on), then the
+    completion, then the template's trained ``\\n``. The completion is the target's own, sampled from
+    the design (:func:`predict`, as vLLM samples it at temperature 0.6), or with `original` the row's
+    original answer as ``answers: original`` encodes it (the thinking-on template's empty think block,
+    then the answer text). For the trainer tests and bench: no engine is started."""
+    import pyarrow as pa
+
+    from dflash_pipeline.steps.tokenize.dflash import dflash_ready
+    from dflash_pipeline.steps.tokenize.profiles import TRAINING_ROW_SCHEMA, build_profile_files
+    from dflash_pipeline.steps.validate.tokencount import load_recounter
+
+    rec = load_recounter(str(target), lambda b, k: None, enable_thinking=True, workdir=Path(root) / ".tokenizer")
+    tok = rec.tokenizer
+    d = design(lambda text: tok.encode(text, add_special_tokens=False).ids)
+    newline = tok.encode("\n", add_special_tokens=False).ids
+    rng = np.random.default_rng(seed)
+    rows, conversations = [], []
+    for prompt_row in prompt_rows(count, seed=seed):
+        user, answer = prompt_row["messages"]
+        topic = next(t for t in TOPICS if t in user["content"])
+        prompt = rec.render_messages([user], add_generation_prompt=True)
+        prompt_ids = tok.encode(prompt, add_special_tokens=False).ids
+        if original:
+            full = rec.render_messages([user, answer])
+            gen = tok.encode(full[len(prompt):-1], add_special_tokens=False).ids
+            reply = {"role": "assistant", "content": answer["content"], "reasoning": None}
+        else:
+            gen = predict(d, topic, True, max_length, rng)
+            text = tok.decode(gen, skip_special_tokens=False)
+            reasoning, _, content = text.partition("</think>")
+            reply = {"role": "assistant", "content": content.strip().removesuffix("<|im_end|>"),
+                     "reasoning": reasoning.strip()}
+        conversations.append([{**user, "reasoning": None}, reply])
+        ids, mask = prompt_ids + gen + newline, [0] * len(prompt_ids) + [1] * (len(gen) + 1)
+        rows.append({"id": prompt_row["id"], "sample": 0, "turn": 0, "key": prompt_row["id"], "input_ids": ids,
+                     "loss_mask": mask, "num_tokens": len(ids), "num_loss_tokens": sum(mask),
+                     "truncated_to_max_length": False, "finish_reason": "stop",
+                     "ids_source": "original" if original else "engine", "thinking": True})
+    ready = dflash_ready(pa.Table.from_pylist(rows, schema=TRAINING_ROW_SCHEMA), max_length=max_length,
+                         min_loss_tokens=2)
+    kept = set(ready.table.column("key").to_pylist())
+    convs = [c for r, c in zip(rows, conversations, strict=True) if r["key"] in kept]
+    written = []
+    for key, data in build_profile_files(ready.table, 0, ["specforge"], thinking=True,
+                                         conversations=convs).files.items():
+        if key.startswith("tokenized/specforge/"):
+            path = Path(root) / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            written.append(path)
+    return written
