@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.dev.engine.dflash_measure", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=("cycle", "tiny", "topic"), default="cycle")
-    parser.add_argument("--drafters", nargs="+", choices=("oracle", "untrained", "self"),
+    parser.add_argument("--drafters", nargs="*", choices=("oracle", "untrained", "self"),
                         default=["oracle", "untrained"])
     parser.add_argument("--drafter-dir", type=Path, help="also serve this drafter directory")
     parser.add_argument("--k", type=int, default=3)

@@ -334,3 +334,30 @@ def specforge_files(target: Path, root: Path, count: int, *, seed: int = 0, max_
             path.write_bytes(data)
             written.append(path)
     return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dflash_pipeline.dev.engine.topic_qwen checkpoint DIR`` writes the target;
+    ``... prompts FILE [--count N] [--seed S]`` writes a prompt set (dflash_generate's OpenAI-chat JSONL, each
+    row with its original answer as the trailing assistant turn: what ``answers: original`` trains on)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.dev.engine.topic_qwen", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("checkpoint").add_argument("out", type=Path)
+    prompts = sub.add_parser("prompts")
+    prompts.add_argument("out", type=Path)
+    prompts.add_argument("--count", type=int, default=400)
+    prompts.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "checkpoint":
+        build_checkpoint(args.out)
+    else:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(args.count, args.seed)))
+        logger.info("%d prompts with original answers written to %s", args.count, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,7 +34,7 @@ and why; SpecForge's code itself is not modified:
 1. Hidden states are captured with transformers, not SGLang (SpecForge's capture needs an SGLang
    engine, i.e. a GPU): one forward pass of the target with ``output_hidden_states=True``, features
    selected by SpecForge's own ``extract_context_feature`` (layer ``i`` = ``hidden_states[i + 1]``, as its
-   ``spec_generate`` does), written one ``torch.save`` file per row with the keys SpecForge's DFlash
+   ``spec_generate`` does; the base model's pass, without the lm_head), written one ``torch.save`` file per row with the keys SpecForge's DFlash
    offline reader takes (``input_ids``, ``loss_mask``, ``hidden_states`` ``[1, seq, len(ids) * hidden]``),
    in its ``rows_<a>-<b>/data_<i>.ckpt`` layout. Rows are chosen by SpecForge's
    ``prepare_prompt_tasks`` with DFlash's own filter (the same rows its online route would train).
@@ -253,6 +253,7 @@ def capture_hidden_states(cfg: dict[str, Any], state: Path, draft_config: Path,
     layer_ids = json.loads(draft_config.read_text())["dflash_config"]["target_layer_ids"]
     target = AutoModelForCausalLM.from_pretrained(cfg["target_model"], dtype=torch.float32)
     target.eval()
+    body = getattr(target, target.base_model_prefix)
     started = time.monotonic()
     with torch.inference_mode():
         for i, (ids, mask) in enumerate(rows):
@@ -262,7 +263,9 @@ def capture_hidden_states(cfg: dict[str, Any], state: Path, draft_config: Path,
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             input_ids = torch.tensor([ids], dtype=torch.long)
-            hidden = target(input_ids=input_ids, output_hidden_states=True).hidden_states
+            # The base model's hidden states are the causal LM's (same tuple); skipping lm_head saves the
+            # vocabulary-sized logits nobody reads.
+            hidden = body(input_ids=input_ids, output_hidden_states=True).hidden_states
             record = {"input_ids": input_ids[0].clone(), "loss_mask": torch.tensor(mask, dtype=torch.long),
                       "hidden_states": extract_context_feature(list(hidden), layer_ids).clone()}
             torch.save(record, str(path) + ".tmp")
