@@ -5,7 +5,8 @@ The rows are what ``dflash_tokenize`` makes of generations of the learnable tiny
 (thinking on), a trained ``\\n`` after ``<|im_end|>``, made DFlash-ready and written as the ``specforge``
 format by steps/tokenize. ``steps/train/specforge_entry.py`` runs in .venv-trainers (SpecForge's own
 offline DFlash route; see its docstring for what runs differently on CPU). Checked: the loss falls, a
-run killed after a saved state resumes from it with the same cfg, another cfg in the same output_dir is
+run stopped (SIGTERM) after a saved state stops SpecForge with it and resumes from that state with the
+same cfg, another cfg in the same output_dir is
 refused (exit 3), and the drafter is one vLLM's DFlash path takes (``check_drafter``).
 """
 
@@ -54,21 +55,36 @@ def _run(setup: dict[str, Any], cfg: dict[str, Any], name: str) -> subprocess.Co
                           env=_env(setup["tmp"]), timeout=900, check=False)
 
 
+def _specforge_running(out: Path) -> bool:
+    """Whether a process runs SpecForge on this run's config (its command line names it)."""
+    needle = str(out / "state" / "specforge.json").encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and needle in (proc / "cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def test_trains_resumes_refuses_and_exports(setup: dict[str, Any]) -> None:
     cfg, tmp = setup["cfg"], setup["tmp"]
     out = Path(cfg["output_dir"])
     path = tmp / "cfg.json"
     path.write_text(json.dumps(cfg))
-    # First run: killed (SIGKILL, the whole process group) once SpecForge has saved step 3.
+    # First run: stopped (SIGTERM to the entry alone, as a task's kill) once SpecForge has saved step 3.
     proc = subprocess.Popen([str(setup["python"]), str(ENTRY), "--config", str(path)], env=_env(tmp),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     saved = out / "state" / "specforge" / "dflash-step3" / "training_state.pt"
     deadline = time.monotonic() + 600
     while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert saved.exists(), f"no state saved at step 3 (entry exit {proc.poll()})"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "rerun with the same config to resume" in err
+    assert not _specforge_running(out), "SpecForge's process outlived the entry"
     assert not (out / "drafter").exists() and not (out / "train_log.json").exists()
 
     # Another cfg in the same output_dir: refused before any work.

@@ -25,7 +25,8 @@ Writes (under ``output_dir``):
   training process; ``rows_per_s``: rows consumed (steps run x batch_size) / ``wall_s``.
 
 Exit codes: 0 done; 2 bad cfg or inputs; 3 cfg differs from the one ``output_dir`` was made with;
-1 any other failure (SpecForge's message is in the log).
+143 stopped by SIGTERM (SpecForge's process is stopped too; a rerun resumes); 1 any other failure
+(SpecForge's last output is in the message).
 
 What differs from SpecForge's documented offline DFlash route (``scripts/prepare_hidden_states.py``
 then ``specforge train`` with ``mode: offline``, as ``examples/configs/qwen3-8b-dflash-offline.yaml``),
@@ -58,6 +59,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +76,8 @@ KEYS: dict[str, type | tuple[type, ...]] = {
 RUN_ID = "dflash"
 FILE_GROUP = 2000  # SpecForge's prepare_hidden_states.py default file_group_size
 STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")
+"""SpecForge's console logger (``training/assembly.py::_logger``): ``step N: {'loss': 1.23, ...}``."""
+LOSS = re.compile(r"'loss': ([-+0-9.eE]+|nan|inf|-inf)[,}]")
 EXIT_BAD_CONFIG, EXIT_OTHER_CONFIG = 2, 3
 
 
@@ -302,28 +306,43 @@ def run_specforge(cfg: dict[str, Any], state: Path, draft_config: Path) -> tuple
     cmd = [sys.executable, "-m", "specforge.cli", "train", "--config", str(run_file)]
     logger.info("running %s", " ".join(cmd))
     started = time.monotonic()
-    tail: list[str] = []
-    ran = 0
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           cwd=str(state)) as proc, losses.open("a") as loss_out:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail = (tail + [line])[-40:]
-            m = STEP_LINE.match(line)
-            if m:
-                metrics = json.loads(m.group(2).replace("'", '"'))
-                if "loss" in metrics:
-                    ran += 1
-                    loss_out.write(json.dumps([int(m.group(1)), float(metrics["loss"])]) + "\n")
-                    loss_out.flush()
-                    logger.info("step %s loss %.4f", m.group(1), metrics["loss"])
-            else:
-                logger.debug("specforge: %s", line)
+        try:
+            ran, tail = _follow(proc, loss_out)
+        finally:  # stopped (SIGTERM, an error here): SpecForge must not train on alone
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise EntryError("specforge train failed (exit %d); its last output:\n%s" % (proc.returncode, "\n".join(tail)))
     return resumed, wall, ran
+
+
+def _follow(proc: subprocess.Popen[str], loss_out: Any) -> tuple[int, list[str]]:
+    """Read SpecForge's output to its end: each ``step N: {...}`` line's loss to `loss_out`; returns
+    (steps logged, the last 40 lines)."""
+    tail: list[str] = []
+    ran = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail = (tail + [line])[-40:]
+        m = STEP_LINE.match(line)
+        loss = LOSS.search(m.group(2)) if m else None
+        if m and loss:
+            ran += 1
+            loss_out.write(json.dumps([int(m.group(1)), float(loss.group(1))]) + "\n")
+            loss_out.flush()
+            logger.info("step %s loss %s", m.group(1), loss.group(1))
+        else:
+            logger.debug("specforge: %s", line)
+    proc.wait()
+    return ran, tail
 
 
 def export_drafter(cfg: dict[str, Any], state: Path, draft_config: Path) -> Path:
@@ -385,11 +404,17 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     return log
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    """SIGTERM (a task killed): unwind, so SpecForge's process is stopped with this one."""
+    raise EntryError(f"stopped by signal {signum}; rerun with the same config to resume", 128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path, help="the run's cfg.json (see the module docstring)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _stop)
     try:
         train(load_cfg(args.config))
     except EntryError as e:
