@@ -92,6 +92,14 @@ def test_trains_resumes_refuses_and_exports(setup: dict[str, Any]) -> None:
     assert refused.returncode == 3, refused.stderr[-3000:]
     assert "another config" in refused.stderr and "learning_rate" in refused.stderr
 
+    # The same cfg on train files whose bytes changed: refused too.
+    first = Path(cfg["train_files"][0])
+    original = first.read_bytes()
+    first.write_bytes(original + original.splitlines(keepends=True)[0])
+    changed = _run(setup, cfg, "changed")
+    first.write_bytes(original)
+    assert changed.returncode == 3 and "train files changed" in changed.stderr, changed.stderr[-3000:]
+
     # The same cfg: resumes from SpecForge's step-3 checkpoint and finishes.
     done = _run(setup, cfg, "again")
     assert done.returncode == 0, done.stderr[-6000:]

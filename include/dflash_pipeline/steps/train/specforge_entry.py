@@ -14,7 +14,7 @@ format, ``input_ids`` + ``loss_mask`` per line), ``output_dir``, ``steps`` (opti
 Writes (under ``output_dir``):
 
 * ``state/``: everything a rerun needs to resume: ``entry_config.json`` (the cfg; a rerun with another
-  cfg is refused, exit code 3), ``train.jsonl`` (the train files concatenated, as SpecForge's
+  cfg is refused, exit code 3), ``inputs.json`` (the train files' sha256: changed bytes are refused too), ``train.jsonl`` (the train files concatenated, as SpecForge's
   ``data.prompts_path`` takes one file), ``draft_config.json``, ``hidden_states/`` (the offline
   features), ``specforge.json`` (SpecForge's run config), ``specforge/`` (SpecForge's own checkpoints,
   every ``save_every`` steps) and ``loss.jsonl``.
@@ -134,14 +134,33 @@ def claim_output_dir(cfg: dict[str, Any]) -> Path:
             diff = sorted(k for k in set(before) | set(cfg) if before.get(k) != cfg.get(k))
             raise EntryError(f"{cfg['output_dir']} was made with another config (differs in {diff}); use a new "
                              "output_dir or the original config", EXIT_OTHER_CONFIG)
+        inputs = json.loads((state / "inputs.json").read_text()) if (state / "inputs.json").exists() else None
+        if inputs is not None and inputs != _input_hashes(cfg):
+            raise EntryError(f"{cfg['output_dir']}: the train files changed since this run started (same paths, "
+                             "other bytes); use a new output_dir", EXIT_OTHER_CONFIG)
         logger.info("output_dir %s was made with this config: resuming", cfg["output_dir"])
     else:
         if Path(cfg["output_dir"]).exists() and any(Path(cfg["output_dir"]).iterdir()):
             raise EntryError(f"{cfg['output_dir']} is not empty and holds no state/entry_config.json: not a run of "
                              "this entry; use a new output_dir", EXIT_OTHER_CONFIG)
         state.mkdir(parents=True, exist_ok=True)
+        _atomic_write(state / "inputs.json", json.dumps(_input_hashes(cfg), indent=1))
         _atomic_write(recorded, json.dumps(cfg, indent=1, sort_keys=True))
     return state
+
+
+def _input_hashes(cfg: dict[str, Any]) -> dict[str, str]:
+    """sha256 of each train file: a rerun on the same paths with other bytes is refused, not resumed."""
+    import hashlib
+
+    out = {}
+    for f in cfg["train_files"]:
+        digest = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        out[f] = digest.hexdigest()
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
