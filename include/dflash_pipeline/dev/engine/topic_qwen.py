@@ -40,6 +40,12 @@ Design (``tiny_qwen``'s class trick, plus one attention head that carries the to
   alike: only the topic part picks the prompt's, which is where the drafter needs the context.
   Without a topic word in the prompt the topic part is absent: any topic's answer, and the logits
   are sqrt(2) sharper.
+
+Measured on vLLM 0.32 (CPU build), k 3, 8 requests per cell, max_tokens 64 (``python -m
+dflash_pipeline.dev.engine.dflash_measure --target topic --drafters self untrained``): acceptance length
+of the target as its own draft model (a perfect, greedily drafting drafter) 4.00 / 3.42 (thinking on,
+temperature 0 / 0.6) and 4.00 / 3.38 (off); of an untrained DFlash drafter 1.01 / 1.01 and 1.00 / 1.00.
+SpecForge-trained drafters: docs/trainers.md "SpecForge DFlash on CPU".
 """
 
 from __future__ import annotations
