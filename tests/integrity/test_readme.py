@@ -30,9 +30,7 @@ TABLE_DAG = {"README.md": "dflash_generate", "params.md": "dflash_generate", "to
              "evaluation.md": "dflash_eval", "train.md": "dflash_train"}
 # Written by another part of issue 32/33 in parallel (helper mix: docs/mix.md); once merged the file exists
 # and this allowance has no effect.
-PENDING = {"docs/mix.md",
-           # issue 38 item 2's trainer entry, written on branch trainer-cpu beside dflash_train (branch train)
-           "include/dflash_pipeline/steps/train/specforge_entry.py"}
+PENDING = {"docs/mix.md"}
 SLOT = "\u00a7"  # one path segment's variable part (a chunk index, a run id, a glob)
 
 
