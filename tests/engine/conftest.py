@@ -107,7 +107,7 @@ def vllm_server(tiny_qwen_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
     yield from _serve(tiny_qwen_checkpoint, VllmSettings(), tmp_path_factory.mktemp("vllm"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # one module uses it: stopped after it (memory: ~1.8 GB a server)
 def vllm_scale_out_server(tiny_qwen_checkpoint: Path,
                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
     """A second real server, with ``--enable-scale-out`` (see the module docstring)."""
@@ -151,7 +151,7 @@ def dflash_oracle(cycle_checkpoint: Path, oracle_wrong_tokens: tuple[int, ...],
                         wrong_tokens=oracle_wrong_tokens)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # one module uses it: stopped after it (memory: ~1.8 GB a server)
 def vllm_dflash_server(cycle_checkpoint: Path, dflash_oracle: Path,
                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
     """The cycle target speculating with vLLM's DFlash path and the oracle drafter (see the module docstring)."""
@@ -165,7 +165,7 @@ def topic_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPathFact
     return topic_qwen.build_checkpoint(tmp_path_factory.mktemp("topic-qwen") / "ckpt", tokenizer_source=qwen_tokenizer)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # one module uses it: stopped after it (memory: ~1.8 GB a server)
 def vllm_topic_self_server(topic_checkpoint: Path,
                            tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
     """The topic target speculating with itself as its draft model, k 3 (see the module docstring)."""
