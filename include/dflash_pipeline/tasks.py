@@ -487,3 +487,103 @@ def eval_report(params: dict[str, Any], run_id: str, assignments: list[dict[str,
         outlet_events[eval_asset()].extra = extra
         logger.info("asset event %s: %s", eval_asset().uri, extra)
     return extra
+
+
+# ------------------------------------------------------------------------------ dflash_train
+
+
+def drafter_asset() -> Any:
+    """dflash_train's outlet Asset (named in steps.handoff): one event per run, naming each drafter's card."""
+    from airflow.sdk import Asset
+
+    from dflash_pipeline.steps.handoff import DRAFTER_ASSET_NAME, DRAFTER_ASSET_URI
+
+    return Asset(name=DRAFTER_ASSET_NAME, uri=DRAFTER_ASSET_URI, group="dflash")
+
+
+def train_config(params: dict[str, Any]) -> Any:
+    from dflash_pipeline.config import TrainConfig
+
+    with _fail_fast():
+        return TrainConfig.from_params(dict(params))
+
+
+def train_check(params: dict[str, Any], triggering_asset_events: Any) -> dict[str, list[dict[str, Any]]]:
+    """Every check before any work (steps/train/checks.py; the pod spec too on kubernetes): the jobs by backend.
+
+    {"local": [job...], "kubernetes": [job...], "pods": [KubernetesPodOperator kwargs...], "done": [job...]}:
+    a job whose card exists with the same settings is 'done' (nothing to train; its card is re-announced)."""
+    from dflash_pipeline.steps.handoff import tokenized_datasets
+    from dflash_pipeline.steps.train.checks import check_train, claim_job, jobs_for
+    from dflash_pipeline.steps.train.kubernetes import pod_kwargs
+
+    cfg = train_config(params)
+    events = triggering_asset_events.get(tokenized_asset(), []) if triggering_asset_events else []
+    datasets = tokenized_datasets(events)
+    out: dict[str, list[dict[str, Any]]] = {"local": [], "kubernetes": [], "pods": [], "done": []}
+    client = s3_client(cfg.aws_conn_id)
+    with _fail_fast():  # TrainRefused is a ConfigError: the task fails at once, no retry
+        pairs = jobs_for(cfg, datasets)
+        jobs = [check_train(client, cfg, uri, tokenization, several=len(pairs) > 1) for uri, tokenization in pairs]
+        pods = {j["name"]: pod_kwargs(j, cfg) for j in jobs} if cfg.backend == "kubernetes" else {}
+        for job in (claim_job(client, j) for j in jobs):  # every check passed: now the names are claimed
+            logger.info("drafter %s (%s): %s on %s tokenization %r", job["name"], job["prefix"], job["status"],
+                        job["dataset"]["uri"], job["tokenization"]["name"])
+            if job["status"] == "done":
+                out["done"].append(job)
+            elif cfg.backend == "kubernetes":
+                out["kubernetes"].append(job)
+                out["pods"].append(pods[job["name"]])
+            else:
+                out["local"].append(job)
+    return out
+
+
+def train_local(params: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """Run the trainer in the trainers' venv on this worker; upload the drafter (not the card)."""
+    from dflash_pipeline.steps.train.local import run_local
+    from dflash_pipeline.steps.train.local import trainer_entry, trainers_python
+
+    cfg = train_config(params)
+    with _fail_fast():
+        return run_local(s3_client(cfg.aws_conn_id), job, python=trainers_python(cfg.trainers_python),
+                         entry=trainer_entry(cfg.trainer_entry), work_dir=cfg.work_dir)
+
+
+def kubernetes_pod_operator(pod: dict[str, Any]) -> Any:
+    """The provider's KubernetesPodOperator for one drafter's pod (kwargs from steps/train/kubernetes.pod_kwargs):
+    logs streamed to the task log, the pod deleted when it succeeds (kept for a post-mortem when it fails),
+    a retry reattaching to a pod a killed try left running (the provider's `durable`, its default on Airflow 3.3)."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+
+    return KubernetesPodOperator(task_id="train_pod", get_logs=True, on_finish_action="delete_succeeded_pod",
+                                 startup_timeout_seconds=1800, do_xcom_push=False, **pod)
+
+
+def train_pod(pod: dict[str, Any], context: Any) -> None:
+    """Run the pod to its end; SIGTERM (the task cleared or marked failed) deletes it (the operator's on_kill)."""
+    op = kubernetes_pod_operator(pod)
+    with _stop_on_sigterm(op.on_kill):
+        op.execute(context)
+
+
+def train_cards(params: dict[str, Any], checked: dict[str, list[dict[str, Any]]],
+                trained: list[dict[str, Any]] | None, run_id: str, outlet_events: Any = None) -> list[dict[str, Any]]:
+    """Write each trained drafter's card last (If-None-Match); the dflash_drafter event names them all."""
+    from dflash_pipeline.steps.handoff import DRAFTER_FORMAT
+    from dflash_pipeline.steps.train.card import lineage, read_card, write_card
+
+    cfg = train_config(params)
+    client = s3_client(cfg.aws_conn_id)
+    shards = {t["name"]: t.get("shards") for t in (trained or []) if t}
+    summaries = []
+    with _fail_fast():
+        for job in checked["local"] + checked["kubernetes"]:
+            card = write_card(client, job, shards.get(job["name"]), run_id)
+            summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
+        for job in checked["done"]:
+            card = read_card(client, job["prefix"])
+            summaries.append({"name": job["name"], "card_uri": f"{job['prefix']}card.json", **lineage(card)})
+    if outlet_events is not None:
+        outlet_events[drafter_asset()].extra = {"format": DRAFTER_FORMAT, "drafters": summaries}
+    return summaries

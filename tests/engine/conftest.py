@@ -23,6 +23,9 @@ Fixtures:
 * ``vllm_dflash_server`` (session): the cycle target served through vLLM's DFlash path with that
   drafter (k 3, ``--per-request-spec-decode-metrics summary``): every verify step's acceptance is
   known in advance.
+* ``topic_checkpoint`` (session): the learnable tiny target (``dev/engine/topic_qwen.py``);
+  ``vllm_topic_self_server`` (session): it served with itself as its draft model (k 3), a perfect
+  drafter.
 
 Skips when ``.venv-vllm`` is absent, unless ``DFLASH_REQUIRE_VLLM=1`` (set by .ci/run): then it fails.
 """
@@ -37,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from dflash_pipeline.dev.engine import cycle_qwen
+from dflash_pipeline.dev.engine import cycle_qwen, topic_qwen
 from dflash_pipeline.dev.engine.dflash_drafter import build_oracle
 from dflash_pipeline.dev.stack.vllm_server import (
     VllmServer,
@@ -154,3 +157,18 @@ def vllm_dflash_server(cycle_checkpoint: Path, dflash_oracle: Path,
     """The cycle target speculating with vLLM's DFlash path and the oracle drafter (see the module docstring)."""
     settings = VllmSettings(served_model_name=cycle_qwen.MODEL_NAME, speculative_config=dflash_spec(dflash_oracle, ORACLE_K))
     yield from _serve(cycle_checkpoint, settings, tmp_path_factory.mktemp("vllm-dflash"))
+
+
+@pytest.fixture(scope="session")
+def topic_checkpoint(qwen_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The learnable tiny target (see the module docstring)."""
+    return topic_qwen.build_checkpoint(tmp_path_factory.mktemp("topic-qwen") / "ckpt", tokenizer_source=qwen_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vllm_topic_self_server(topic_checkpoint: Path,
+                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEndpoint]:
+    """The topic target speculating with itself as its draft model, k 3 (see the module docstring)."""
+    settings = VllmSettings(served_model_name=topic_qwen.MODEL_NAME,
+                            speculative_config=draft_model_spec(topic_checkpoint, ORACLE_K))
+    yield from _serve(topic_checkpoint, settings, tmp_path_factory.mktemp("vllm-topic"))

@@ -37,6 +37,22 @@ BASE_TOKEN_TIME_S = 0.001
 CONCURRENCY = [1, "production"]
 
 
+def _strong_card() -> dict[str, Any]:
+    """A drafter card as dflash_train writes it (steps/train/card.build_card) for the 'strong' group."""
+    from dflash_pipeline.steps.train.card import build_card
+
+    job = {"name": "strong", "prefix": "s3://data/drafters/strong/", "settings_hash": "5" * 64, "settings": {},
+           "dataset": {"uri": "s3://data/datasets/d1"}, "shards": [], "heldout": {"fraction": 0.1},
+           "tokenization": {"name": "default", "answers": "regenerated", "defect": None},
+           "target_model": "tiny", "backend": "local", "save_every": 10,
+           "hyperparameters": {"steps": 300, "seed": 1}}
+    log = {"trainer": "specforge", "trainer_version": "0.2.0", "steps": 300, "loss": [[300, 0.5]]}
+    return build_card(job, log, {})
+
+
+STRONG_CARD = _strong_card()
+
+
 def truth(drafter: str, domain: str) -> float:
     d = DRAFTERS[drafter]
     keyword = DOMAINS[domain]
@@ -87,10 +103,13 @@ def _requests(fleet: dict[str, list[SimServer]]) -> int:
 def eval_run(moto: MotoServer, fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     body = b"".join(json.dumps(r).encode() + b"\n" for r in _prompts())
     moto.client().put_object(Bucket="data", Key="bench/prompts.jsonl", Body=body)
+    moto.client().put_object(Bucket="data", Key="drafters/strong/card.json", Body=json.dumps(STRONG_CARD).encode())
     conf = {
         "prompts_uri": "s3://data/bench/prompts.jsonl",
         "output_uri": "s3://data/evals/e1",
-        "drafters": [{"name": name, "servers": [s.url for s in fleet[name]]} for name in DRAFTERS],
+        "drafters": [{"name": name, "servers": [s.url for s in fleet[name]],
+                      **({"card_uri": "s3://data/drafters/strong/card.json"} if name == "strong" else {})}
+                     for name in DRAFTERS],
         "baseline": {"name": "base", "servers": [s.url for s in fleet["base"]]},
         "max_tokens": 120,
         "concurrency": CONCURRENCY,
@@ -124,7 +143,8 @@ def eval_run(moto: MotoServer, fleet, tmp_path_factory: pytest.TempPathFactory) 
     second, events2 = results(proc2.stdout)
     assert proc.returncode == 0 and len(first) == 1, log[-6000:]
     report = json.loads(moto.client().get_object(Bucket="data", Key="evals/e1/report.json")["Body"].read())
-    return {"conf": conf, "first": first[0], "second": second[0] if second else None, "events": events,
+    report_md = moto.client().get_object(Bucket="data", Key="evals/e1/report.md")["Body"].read().decode()
+    return {"conf": conf, "report_md": report_md, "first": first[0], "second": second[0] if second else None, "events": events,
             "events2": events2, "log": log, "log2": log2, "requests": requests, "objects": objects,
             "objects_after": _objects(moto, "evals/e1/"), "report": report}
 
@@ -258,3 +278,18 @@ def test_rerun_does_nothing_new(eval_run) -> None:
     new = sorted(k for k in after if k not in first and ("/completions/" in k or "/metrics/" in k))
     assert new == [], new
     assert "is complete; nothing to do" in eval_run["log2"]
+
+
+def test_the_report_carries_the_carded_drafters_lineage(eval_run) -> None:
+    """issue 38 item 5: 'strong' names its card; the report (json, md) and the event carry its lineage; the
+    prompts are a benchmark file, so the report says they are not known to be held out of its training data."""
+    lineage = eval_run["report"]["lineage"]
+    assert set(lineage) == {"strong"}
+    assert {k: lineage["strong"][k] for k in ("dataset", "tokenization", "trainer", "trainer_version", "steps",
+                                              "heldout_of_training_data")} == {
+        "dataset": "s3://data/datasets/d1", "tokenization": "default", "trainer": "specforge",
+        "trainer_version": "0.2.0", "steps": 300, "heldout_of_training_data": False}
+    md = eval_run["report_md"]
+    assert "## Drafters' lineage (from their cards)" in md and "| strong | `s3://data/datasets/d1` | `default` |" in md
+    assert "`default` (regenerated answers), specforge 0.2.0, 300 steps" in md.split("## Ranking")[1]
+    assert eval_run["events"][0]["extra"]["lineage"]["strong"]["steps"] == 300

@@ -24,7 +24,7 @@ def dagbag():
 
 def test_no_import_errors(dagbag) -> None:
     assert dagbag.import_errors == {}
-    assert {"dflash_generate", "dflash_tokenize", "dflash_eval"} <= set(dagbag.dags)
+    assert {"dflash_generate", "dflash_tokenize", "dflash_eval", "dflash_train"} <= set(dagbag.dags)
 
 
 def test_tokenize_shape_prepare_mapped_tokenize_report(dagbag) -> None:
@@ -138,7 +138,34 @@ def test_eval_shape_params_tags_retries(dagbag) -> None:
     assert dag.params.get_param("greedy").value is True
 
 
-@pytest.mark.parametrize("dag_module", ["dflash_generate", "dflash_tokenize", "dflash_eval"])
+def test_train_shape_params_asset_retries(dagbag) -> None:
+    """dflash_train: check -> (local jobs -> train_local mapped | pod specs -> train_pod, a mapped
+    KubernetesPodOperator run inside the task) -> card (none_failed: one backend's branch is skipped), the dflash_drafter outlet;
+    scheduled on dflash_tokenized; every param documented and typed."""
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    from dflash_pipeline.config import TRAIN_PARAM_SCHEMAS
+
+    dag = dagbag.dags["dflash_train"]
+    assert set(dag.task_ids) == {"check", "local_jobs", "pod_specs", "train_local", "train_pod", "card"}
+    assert dag.get_task("train_local").upstream_task_ids == {"local_jobs"}
+    assert dag.get_task("train_pod").upstream_task_ids == {"pod_specs"}
+    assert dag.get_task("card").upstream_task_ids == {"check", "train_local", "train_pod"}
+    assert dag.get_task("card").trigger_rule == "none_failed"
+    assert isinstance(dag.get_task("train_pod"), MappedOperator)
+    assert isinstance(dag.get_task("train_local"), MappedOperator)
+    assert [a.name for a in dag.timetable.asset_condition.objects] == ["dflash_tokenized"]
+    assert [o.name for o in dag.get_task("card").outlets] == ["dflash_drafter"]
+    assert set(dag.params.keys()) == set(TRAIN_PARAM_SCHEMAS)
+    for name in dag.params.keys():
+        param = dag.params.get_param(name)
+        assert param.description and param.schema.get("type"), name
+    assert dag.params.get_param("backend").schema["enum"] == ["local", "kubernetes"]
+    for task in dag.tasks:
+        assert task.retries >= 1, f"{task.task_id} has no retries"
+
+
+@pytest.mark.parametrize("dag_module", ["dflash_generate", "dflash_tokenize", "dflash_eval", "dflash_train"])
 def test_parse_time_does_no_io_and_reads_no_connections(dag_module: str) -> None:
     """Parse the DAG in a fresh interpreter where sockets, connections and variables all explode."""
     probe = textwrap.dedent(

@@ -120,3 +120,14 @@ def test_run_config_is_generates_own_config_per_condition() -> None:
     assert (rc.sampling.temperature, rc.sampling.top_p, rc.sampling.max_tokens) == (0.0, 1.0, 512)
     assert rc.prompts_uri == "s3://bk1/heldout/prompts.jsonl.gz"
     assert cfg.run_config(group, prod, rc.prompts_uri).concurrency_per_server is None  # discovered, as generate
+
+
+def test_a_drafter_may_name_its_card_the_baseline_may_not() -> None:
+    card = "s3://bk1/drafters/d1/card.json"
+    cfg = EvalConfig.from_params(conf(drafters=[{"name": "d1", "servers": ["http://gpu0:30000"], "card_uri": card}]))
+    assert cfg.group("d1").card_uri == card and cfg.group("d1").to_dict()["card_uri"] == card
+    assert "card_uri" not in cfg.group("no-spec").to_dict()
+    with pytest.raises(ConfigError, match="the baseline serves no drafter, so it has no card_uri"):
+        EvalConfig.from_params(conf(baseline={"name": "b", "servers": ["http://gpu3:30000"], "card_uri": card}))
+    with pytest.raises(ConfigError, match="card_uri"):
+        EvalConfig.from_params(conf(drafters=[{"name": "d1", "servers": ["http://gpu0:30000"], "card_uri": "/x"}]))

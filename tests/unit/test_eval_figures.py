@@ -424,3 +424,32 @@ def test_answers_the_server_ended_before_any_draft_count_as_measured() -> None:
     fig = _fig(rows, 40)
     assert fig["stats_reported"] == 40 and fig["status"] == "complete"
     assert fig["acceptance"]["acceptance_length"] == pytest.approx(3.0)
+
+
+def test_the_report_carries_each_carded_drafters_lineage() -> None:
+    from dflash_pipeline.steps.handoff import eval_event_extra
+
+    cfg = _cfg(("A", "B"))
+    conds = [dict(c.to_dict(), root="x", server_info={}) for c in cfg.conditions()]
+    lin = {"card": "s3://bk1/drafters/a/card.json", "dataset": "s3://bk1/ds", "tokenization": "original",
+           "answers": "original", "defect": None, "trainer": "specforge", "trainer_version": "0.2.0", "steps": 400,
+           "seed": 0, "final_loss": 1.23456, "heldout_of_training_data": True}
+    per_group: dict[str, Any] = {}
+    for g in ("A", "B", "base"):
+        for c in conds:
+            rows = [row(server=g, verify=None if g == "base" else 10, accepted=None if g == "base" else 10,
+                        tokens=40, latency=1.0, id=f"q{i}") for i in range(4)]
+            per_group.setdefault(g, {})[c["name"]] = F.condition_figures(
+                rows, [], concurrency=1, n_servers=1, confidence=0.95, planned=4, baseline=g == "base")
+    assignments = [{"group": "A", "conditions": conds, "source": {}, "lineage": lin},
+                   {"group": "B", "conditions": conds, "source": {}, "lineage": None}]
+    report = build_report(cfg, assignments, per_group, {})
+    report["report_key"] = "ev/report.json"
+    assert report["lineage"] == {"A": lin}
+    md = render_markdown(report)
+    assert "## Drafters' lineage (from their cards)" in md
+    assert ("| A | `s3://bk1/ds` | `original` | original | - | specforge 0.2.0 | 400 | 0 | 1.2346 | yes | "
+            "`s3://bk1/drafters/a/card.json` |") in md
+    ranking = md.split("## Ranking")[1].split("\n\n")[1]
+    assert "trained on" in ranking and "`original` (original answers), specforge 0.2.0, 400 steps" in ranking
+    assert eval_event_extra(report)["lineage"] == {"A": lin}

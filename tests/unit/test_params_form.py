@@ -23,6 +23,8 @@ from dflash_pipeline.config import (
     REQUIRED_PARAMS,
     TOKENIZE_ESSENTIAL_PARAMS,
     TOKENIZE_PARAM_SCHEMAS,
+    TRAIN_ESSENTIAL_PARAMS,
+    TRAIN_PARAM_SCHEMAS,
     form_layout,
 )
 from dflash_pipeline.config.evaluate import REQUIRED_EVAL_PARAMS
@@ -32,6 +34,7 @@ CASES = [
     ("dflash_generate", PARAM_SCHEMAS, ESSENTIAL_PARAMS, REQUIRED_PARAMS),
     ("dflash_tokenize", TOKENIZE_PARAM_SCHEMAS, TOKENIZE_ESSENTIAL_PARAMS, ()),
     ("dflash_eval", EVAL_PARAM_SCHEMAS, EVAL_ESSENTIAL_PARAMS, REQUIRED_EVAL_PARAMS),
+    ("dflash_train", TRAIN_PARAM_SCHEMAS, TRAIN_ESSENTIAL_PARAMS, ()),
 ]
 
 
@@ -78,7 +81,8 @@ def test_each_dag_form_shows_its_essentials_first(dag_id: str, schemas: dict[str
         assert schema["section"].startswith(ADVANCED_PREFIX) or schema["section"] == "Advanced", name
         # Every advanced param has a safe default: a user who never opens the section gets a run.
         assert "default" in schemas[name], f"{dag_id}: advanced param {name} has no default"
-    assert params["output_uri"].schema["section"] == ESSENTIALS_SECTION
+    where = "dataset_uri" if dag_id == "dflash_train" else "output_uri"  # the data the run works on
+    assert params[where].schema["section"] == ESSENTIALS_SECTION
 
 
 def test_generate_form_hides_the_protocol_internals() -> None:

@@ -40,8 +40,14 @@ from dflash_pipeline.config.tokenize import (
     TRAINER_PARAM_SCHEMAS,
     TokenizeConfig,
 )
+from dflash_pipeline.config.train import (
+    TRAIN_ESSENTIAL_PARAMS,
+    TRAIN_PARAM_SCHEMAS,
+    TrainConfig,
+)
 
 __all__ = [
+    "TRAIN_ESSENTIAL_PARAMS", "TRAIN_PARAM_SCHEMAS", "TrainConfig",
     "ADVANCED_PREFIX", "ESSENTIAL_PARAMS", "ESSENTIALS_SECTION", "EVAL_ESSENTIAL_PARAMS", "TOKENIZE_ESSENTIAL_PARAMS",
     "form_layout",
     "EVAL_PARAM_SCHEMAS", "Condition", "EvalConfig", "Group",

@@ -36,6 +36,9 @@ _GROUP_SCHEMA: dict[str, Any] = {
                  "description": "Drafter name: letters, digits, '.', '_', '-' (an S3 path segment)."},
         "servers": {"type": "array", "minItems": 1, "maxItems": 256, "uniqueItems": True,
                     "items": {"type": "string", "minLength": 1}},
+        "card_uri": {"type": ["null", "string"], "pattern": "^s3://[^/]+/.+",
+                     "description": "The drafter's card (dflash_train's <drafters root>/<name>/card.json, or the "
+                     "drafter's folder): the report shows its lineage (dataset, tokenization, trainer, steps)."},
     },
 }
 
@@ -85,7 +88,9 @@ EVAL_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "items": _GROUP_SCHEMA,
         "description": 'Drafters to measure: [{"name": "dflash-v2", "servers": ["http://gpu0:30000", "sglang_gpu1"]}, '
         "...]. Each is a group of servers (base URLs or Airflow connection ids) serving the same target with "
-        "one speculative configuration. A server belongs to one group.",
+        "one speculative configuration. A server belongs to one group. A drafter trained by dflash_train can name "
+        'its card ("card_uri": "s3://bucket/drafters/<name>/card.json"): it is read before any request, and the '
+        "report carries its lineage beside its figures.",
         "section": SECTION_EVAL_SERVERS,
     },
     "baseline": {
@@ -195,9 +200,14 @@ class Group:
     name: str
     servers: tuple[str, ...]
     baseline: bool = False
+    card_uri: str | None = None
+    """The drafter's card (dflash_train): its lineage goes into the report."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "servers": list(self.servers), "baseline": self.baseline}
+        out: dict[str, Any] = {"name": self.name, "servers": list(self.servers), "baseline": self.baseline}
+        if self.card_uri:
+            out["card_uri"] = self.card_uri
+        return out
 
 
 @dataclass(frozen=True)
@@ -395,9 +405,10 @@ def parse_group(value: Any, where: str, *, baseline: bool) -> Group:
     example = '{"name": "eagle3-a", "servers": ["http://gpu0:30000"]}'
     if not isinstance(value, dict):
         raise ConfigError(f"param {where}: {value!r} is not an object like {example}")
-    extra = sorted(set(value) - {"name", "servers"})
+    extra = sorted(set(value) - {"name", "servers", "card_uri"})
     if extra:
-        raise ConfigError(f"param {where}: unknown key(s) {extra}; a group has only 'name' and 'servers'")
+        raise ConfigError(f"param {where}: unknown key(s) {extra}; a group has only 'name', 'servers' and "
+                          "'card_uri'")
     name = value.get("name")
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ConfigError(f"param {where}.name: {name!r} must be 1-64 letters, digits, '.', '_' or '-' "
@@ -409,7 +420,15 @@ def parse_group(value: Any, where: str, *, baseline: bool) -> Group:
         raise ConfigError(f"param {where} ({name}): every server must be a non-empty string, got {servers!r}")
     if len(set(servers)) != len(servers):
         raise ConfigError(f"param {where} ({name}): a server is listed twice in {servers!r}")
-    return Group(name=name, servers=tuple(servers), baseline=baseline)
+    card_uri = value.get("card_uri")
+    if card_uri is not None:
+        if baseline:
+            raise ConfigError(f"param {where} ({name}): the baseline serves no drafter, so it has no card_uri")
+        try:
+            parse_s3_uri(card_uri, what=f"param {where}.card_uri")
+        except UriError as exc:
+            raise ConfigError(str(exc)) from exc
+    return Group(name=name, servers=tuple(servers), baseline=baseline, card_uri=card_uri)
 
 
 def _check_groups(groups: list[Group]) -> None:

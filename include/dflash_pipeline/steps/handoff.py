@@ -31,6 +31,10 @@ TOKENIZED_ASSET_NAME = "dflash_tokenized"
 TOKENIZED_ASSET_URI = "x-dflash://tokenized"
 """dflash_tokenize's outlet: its event names the tokenized datasets (for a trainer DAG)."""
 TOKENIZED_FORMAT = "dflash-pipeline/tokenized-handoff/1"
+DRAFTER_ASSET_NAME = "dflash_drafter"
+DRAFTER_ASSET_URI = "x-dflash://drafter"
+"""dflash_train's outlet: its event names each drafter written and its card."""
+DRAFTER_FORMAT = "dflash-pipeline/drafter-handoff/1"
 EVAL_ASSET_NAME = "dflash_eval"
 EVAL_ASSET_URI = "x-dflash://eval"
 """dflash_eval's outlet: its event names the eval report and each drafter's headline figures."""
@@ -75,6 +79,19 @@ def extras_from_events(events: Iterable[Any]) -> list[dict[str, Any]]:
             out.append(extra)
         else:
             logger.warning("ignoring an asset event without a dflash hand-off extra: %s", extra)
+    return out
+
+
+def tokenized_datasets(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The datasets named by dflash_tokenize's events (its report's summary per dataset: output_uri,
+    tokenization, ...); events of another format are ignored with a warning."""
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        extra = dict(getattr(ev, "extra", None) or {})
+        if extra.get("format") != TOKENIZED_FORMAT:
+            logger.warning("ignoring an asset event without a dflash_tokenized extra: %s", extra)
+            continue
+        out += [d for d in extra.get("datasets") or [] if isinstance(d, Mapping) and d.get("output_uri")]
     return out
 
 
@@ -170,6 +187,7 @@ def eval_event_extra(report: Mapping[str, Any]) -> dict[str, Any]:
         "status_reasons": list(report.get("status_reasons") or [])[:20],
         "headline_condition": report.get("headline_condition"),
         "drafters": report.get("headline") or {},
+        "lineage": report.get("lineage") or {},
         "ranking": [e["drafter"] for e in ranking if e.get("rank") is not None],
         "ranks": {e["drafter"]: e.get("rank") for e in ranking},
         "paired": paired,

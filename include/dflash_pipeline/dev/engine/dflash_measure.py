@@ -3,14 +3,16 @@
 Why: docs/engines.md states what vLLM's DFlash path does on this machine kind with drafters whose
 answer is known; the figures come from here.
 
-    python -m dflash_pipeline.dev.engine.dflash_measure [--drafters oracle untrained] [--requests 8]
-        [--max-tokens 128] [--k 3] [--target cycle|tiny] [--drafter-dir DIR]
+    python -m dflash_pipeline.dev.engine.dflash_measure [--drafters oracle untrained self] [--requests 8]
+        [--max-tokens 128] [--k 3] [--target cycle|tiny|topic] [--drafter-dir DIR]
 
 It builds the target (``cycle``: dev/engine/cycle_qwen.py, whose greedy text is known; ``tiny``:
-dev/engine/tiny_qwen.py) and, per drafter, a DFlash drafter in SpecForge's format
+dev/engine/tiny_qwen.py; ``topic``: dev/engine/topic_qwen.py, the learnable one, asked with prompts
+that name a topic) and, per drafter, a DFlash drafter in SpecForge's format
 (dev/engine/dflash_drafter.py: ``oracle`` drafts the greedy text except after the cycle's second
-half, the engine tests' drafter; ``untrained`` is a seeded random one, as SpecForge initialises it;
-``--drafter-dir`` serves a given one, e.g. SpecForge-trained), then starts ``vllm serve`` with
+half, the engine tests' drafter; ``untrained`` is a seeded random one, as SpecForge initialises it; ``self`` is not DFlash: the
+target as its own draft model (``method: draft_model``), a perfect drafter of any target, drafting greedily
+as vLLM's drafters do; ``--drafter-dir`` serves a given one, e.g. SpecForge-trained), then starts ``vllm serve`` with
 ``dflash_spec`` for each in turn and logs one JSON line per (thinking, temperature): requests sent
 4 at a time, token-weighted acceptance length 1 + accepted / steps from the per-request figures,
 their mean, and whether their sums equal the ``/metrics`` delta. Start-up is spawn to ``/health`` 200.
@@ -29,8 +31,8 @@ from typing import Any
 
 import requests
 
-from dflash_pipeline.dev.engine import cycle_qwen, dflash_drafter, tiny_qwen
-from dflash_pipeline.dev.stack.vllm_server import VllmServer, VllmSettings, dflash_spec, spec_counters
+from dflash_pipeline.dev.engine import cycle_qwen, dflash_drafter, tiny_qwen, topic_qwen
+from dflash_pipeline.dev.stack.vllm_server import VllmServer, VllmSettings, dflash_spec, draft_model_spec, spec_counters
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +45,18 @@ def build(kind: str, target: Path, out: Path, k: int) -> Path:
     return dflash_drafter.build_untrained(target, out, block_size=max(k + 1, dflash_drafter.DEFAULT_BLOCK_SIZE))
 
 
+def question(target: str, seed: int) -> str:
+    """The measured prompt: for the topic target one of its held-out-style prompts (names a topic)."""
+    if target == "topic":
+        return str(topic_qwen.prompt_rows(seed + 1, seed=10_000 + seed)[seed]["messages"][0]["content"])
+    return f"Question {seed}: what is {seed} + 2?"
+
+
 def acceptance(base_url: str, model: str, thinking: bool, temperature: float, count: int,
-               max_tokens: int) -> dict[str, Any]:
+               max_tokens: int, target: str = "cycle") -> dict[str, Any]:
     """`count` chat requests (4 at a time): acceptance from the per-request figures, against /metrics."""
     def ask(seed: int) -> dict[str, Any]:
-        body = {"model": model, "messages": [{"role": "user", "content": f"Question {seed}: what is {seed} + 2?"}],
+        body = {"model": model, "messages": [{"role": "user", "content": question(target, seed)}],
                 "max_tokens": max_tokens, "temperature": temperature, "top_p": tiny_qwen.TOP_P, "seed": seed,
                 "chat_template_kwargs": {"enable_thinking": thinking}}
         r = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
@@ -74,8 +83,9 @@ def acceptance(base_url: str, model: str, thinking: bool, temperature: float, co
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.dev.engine.dflash_measure", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", choices=("cycle", "tiny"), default="cycle")
-    parser.add_argument("--drafters", nargs="+", choices=("oracle", "untrained"), default=["oracle", "untrained"])
+    parser.add_argument("--target", choices=("cycle", "tiny", "topic"), default="cycle")
+    parser.add_argument("--drafters", nargs="*", choices=("oracle", "untrained", "self"),
+                        default=["oracle", "untrained"])
     parser.add_argument("--drafter-dir", type=Path, help="also serve this drafter directory")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8)
@@ -85,14 +95,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("urllib3", "dflash_pipeline.dev.stack", "dflash_pipeline.dev.engine"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="dflash-measure-") as tmp:
-        builder = cycle_qwen.build_checkpoint if args.target == "cycle" else tiny_qwen.build_checkpoint
+    # Not "dflash" in the path: vLLM 0.32 takes a draft model whose path contains "dflash" for a DFlash drafter
+    # (SpeculativeConfig's method detection), which would turn the `self` draft model into one.
+    with tempfile.TemporaryDirectory(prefix="drafter-measure-") as tmp:
+        builder = {"cycle": cycle_qwen.build_checkpoint, "tiny": tiny_qwen.build_checkpoint,
+                   "topic": topic_qwen.build_checkpoint}[args.target]
         target = builder(Path(tmp) / "target")
-        drafters = [(kind, build(kind, target, Path(tmp) / kind, args.k)) for kind in args.drafters]
+        drafters = [(kind, target if kind == "self" else build(kind, target, Path(tmp) / kind, args.k))
+                    for kind in args.drafters]
         if args.drafter_dir:
             drafters.append(("given", args.drafter_dir))
         for kind, drafter in drafters:
-            settings = VllmSettings(served_model_name="target", speculative_config=dflash_spec(drafter, args.k))
+            spec = draft_model_spec(drafter, args.k) if kind == "self" else dflash_spec(drafter, args.k)
+            settings = VllmSettings(served_model_name="target", speculative_config=spec)
             server = VllmServer(target, settings, workdir=Path(tmp) / f"server-{kind}")
             with server.start(timeout_s=args.start_timeout):
                 logger.info("%s", json.dumps({"target": args.target, "drafter": kind, "k": args.k,
@@ -100,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 for thinking in (True, False):
                     for temperature in (0.0, tiny_qwen.TEMPERATURE):
                         figures = acceptance(server.base_url, "target", thinking, temperature, args.requests,
-                                             args.max_tokens)
+                                             args.max_tokens, args.target)
                         logger.info("%s", json.dumps({"drafter": kind, **figures}))
 
 

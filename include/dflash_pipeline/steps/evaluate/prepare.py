@@ -70,6 +70,7 @@ def prepare(
     Each assignment: the server, its group, its index in the group, the prompts, and per condition
     its name, settings and preflight's answer for that server."""
     prompts_uri, dataset_thinking, source = resolve_prompts(client, cfg)
+    lineages = read_lineages(client, cfg, source)  # a missing or foreign card fails here, before any request
     conditions = cfg.conditions(dataset_thinking)
     logger.info("eval %s: %d group(s) x %d condition(s) on %s: %s", cfg.output_uri, len(cfg.groups), len(conditions),
                 prompts_uri, [c.name for c in conditions])
@@ -84,13 +85,35 @@ def prepare(
                         plan["chunks"], plan["resumed"])
             for info in infos:
                 per_server[info["server"]].append(dict(cond.to_dict(), root=rc.output_uri, server_info=info))
-    _write_eval_doc(client, cfg, run_id, source, conditions)
+    _write_eval_doc(client, cfg, run_id, dict(source, lineage=lineages), conditions)
     out: list[dict[str, Any]] = []
     for group in cfg.groups:
         for index, server in enumerate(group.servers):
             out.append({"server": server, "group": group.name, "baseline": group.baseline, "index": index,
                         "n_servers": len(group.servers), "prompts_uri": prompts_uri, "source": source,
-                        "conditions": per_server[server]})
+                        "conditions": per_server[server], "lineage": lineages.get(group.name)})
+    return out
+
+
+def read_lineages(client: Any, cfg: EvalConfig, source: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{drafter: its card's lineage} for the drafters that name a card (steps/train/card.py). Each says
+    whether the eval's prompts are the held-out split of the dataset the drafter was trained on
+    (`heldout_of_training_data`: true; false = another dataset's prompts or a benchmark, so nothing says the
+    drafter never saw them; the report shows it)."""
+    from dflash_pipeline.steps.train.card import lineage, read_card
+
+    out: dict[str, dict[str, Any]] = {}
+    for group in cfg.drafters:
+        if not group.card_uri:
+            continue
+        entry = lineage(read_card(client, group.card_uri))
+        trained_on = str(entry.get("dataset") or "").rstrip("/")
+        entry["heldout_of_training_data"] = bool(source.get("kind") == "heldout" and trained_on
+                                                 and str(source.get("dataset_uri") or "").rstrip("/") == trained_on)
+        logger.info("drafter %s: card %s (dataset %s, tokenization %s, trainer %s, %s steps)", group.name,
+                    entry["card"], entry.get("dataset"), entry.get("tokenization"), entry.get("trainer"),
+                    entry.get("steps"))
+        out[group.name] = entry
     return out
 
 

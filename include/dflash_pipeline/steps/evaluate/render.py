@@ -68,6 +68,30 @@ def header_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _trained_on(lin: Mapping[str, Any] | None) -> str:
+    """One cell: what the drafter was trained on, from its card."""
+    if not lin:
+        return "-"
+    defect = f", defect `{lin['defect']}`" if lin.get("defect") else ""
+    return (f"`{lin.get('tokenization')}` ({lin.get('answers') or 'regenerated'} answers{defect}), "
+            f"{lin.get('trainer')} {lin.get('trainer_version') or ''}, {_f(lin.get('steps'))} steps".replace(" ,", ","))
+
+
+def lineage_lines(report: Mapping[str, Any]) -> list[str]:
+    """Each carded drafter's lineage: the data it learned from and how (its card, dflash_train)."""
+    lineage = report.get("lineage") or {}
+    if not lineage:
+        return []
+    rows = [[g, f"`{lin.get('dataset')}`", f"`{lin.get('tokenization')}`", lin.get("answers") or "regenerated",
+             lin.get("defect") or "-", f"{lin.get('trainer')} {lin.get('trainer_version') or ''}".strip(),
+             _f(lin.get("steps")), _f(lin.get("seed")), _f(lin.get("final_loss"), 4),
+             "yes" if lin.get("heldout_of_training_data") else "**no**", f"`{lin.get('card')}`"]
+            for g, lin in lineage.items()]
+    return ["", "## Drafters' lineage (from their cards)", ""] + _table(
+        ["drafter", "dataset", "tokenization", "answers", "defect", "trainer", "steps", "seed", "final loss",
+         "prompts held out of its training data", "card"], rows)
+
+
 def status_lines(report: Mapping[str, Any]) -> list[str]:
     """Per group and condition: status, what it stands on, the /metrics verdict."""
     rows = []
@@ -86,12 +110,14 @@ def status_lines(report: Mapping[str, Any]) -> list[str]:
 
 def ranking_lines(report: Mapping[str, Any], condition: str) -> list[str]:
     entries = report["rankings"].get(condition, [])
+    lineage = report.get("lineage") or {}
     lines = _table(["rank", "drafter", "status", "acceptance length [CI]", "CI method", "rows with stats / planned",
-                    "tokens/s", "x baseline", "vs the drafter above (paired)"],
+                    "tokens/s", "x baseline", "vs the drafter above (paired)"] + (["trained on"] if lineage else []),
                    [[("=" if e.get("tied_with") else "") + _f(e["rank"]) if e["rank"] is not None else "-",
                      e["drafter"], e.get("status"), _ci(e), e.get("ci_method") or "-",
                      f"{e['rows_with_stats']}/{e.get('planned')}", _f(e["tokens_per_s"], 1), _speedup(e),
-                     _vs_above(e)] for e in entries])
+                     _vs_above(e)] + ([_trained_on(lineage.get(e["drafter"]))] if lineage else [])
+                    for e in entries])
     ties = [e for e in entries if e.get("tied_with")]
     if ties:
         lines += ["", "Not separable (shared rank): " + "; ".join(
@@ -160,6 +186,7 @@ def crosscheck_lines(report: Mapping[str, Any]) -> list[str]:
 def render_markdown(report: Mapping[str, Any]) -> str:
     lines: list[str] = ["# dflash_eval report", ""]
     lines += header_lines(report)
+    lines += lineage_lines(report)
     lines += status_lines(report)
     headline = report.get("headline_condition")
     if headline:

@@ -162,6 +162,7 @@ def build_report(cfg: EvalConfig, assignments: list[dict[str, Any]] | None, per_
         "statuses": statuses,
         "output_uri": cfg.output_uri,
         "source": assignments[0]["source"] if assignments else None,
+        "lineage": {a["group"]: a["lineage"] for a in assignments or [] if a.get("lineage")},
         "config": cfg.to_dict(),
         "servers": servers,
         "conditions": conditions,
