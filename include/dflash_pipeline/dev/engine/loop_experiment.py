@@ -423,9 +423,9 @@ def run_loop(client: Any, bucket: str, work: Path, settings: LoopSettings = Loop
                       report, summarize(report), asdict(settings))
 
 
-def report_markdown(client: Any, report: Mapping[str, Any]) -> str:
-    """The eval's own report.md (written by run_report at the eval root)."""
-    layout = DatasetLayout.from_uri(str(report.get("output_uri") or ""))
+def report_markdown(client: Any, eval_uri: str) -> str:
+    """The eval's own report.md (written by run_report at the eval root `eval_uri`)."""
+    layout = DatasetLayout.from_uri(eval_uri)
     got = Store(client, layout.bucket).get(layout.key("report.md"))
     return "" if got is None else got[0].decode()
 
