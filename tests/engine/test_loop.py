@@ -15,7 +15,7 @@ on common prompts, have intervals above 0. If (a) does not win, that is a findin
 threshold to loosen. Also: each drafter's lineage (from its card) is in the report, and a trained card names
 its tokenization, trainer, steps and seed.
 
-Sizes (CI, 2 cores; see LoopSettings): 160 prompts (a quarter held out), 64 tokens, 60 SpecForge steps of
+Sizes (CI, 2 cores; see LoopSettings): 160 prompts (a quarter held out), 64 tokens, 100 SpecForge steps of
 batch 4 per trained drafter, block size 4 (k = 3), 4 vLLM starts (the target, then the three DFlash servers
 at once), at most 24 held-out prompts per condition.
 """
@@ -42,7 +42,7 @@ from .conftest import _require_vllm
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = LoopSettings(prompts=160, steps=60, eval_max_prompts=24)
+SETTINGS = LoopSettings(prompts=160, steps=100, eval_max_prompts=24)
 
 
 def test_regenerated_data_trains_a_drafter_that_accepts_more(

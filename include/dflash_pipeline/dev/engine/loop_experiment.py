@@ -58,7 +58,7 @@ class LoopSettings:
     heldout_fraction: float = 0.25
     thinking_fraction: float = 0.5
     gen_max_tokens: int = 64
-    steps: int = 60
+    steps: int = 100
     batch_size: int = 4
     learning_rate: float = 3e-3
     block_size: int = 4  # k = 3 drafted tokens per verify step
