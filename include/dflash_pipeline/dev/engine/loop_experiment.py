@@ -13,7 +13,8 @@ From one prompt set with original answers (:mod:`topic_qwen`'s prompts, the lear
    ``specforge_entry.py`` in .venv-trainers, card) with the same trainer, steps and seed; (c) is
    ``dflash_drafter.build_untrained`` with the trained drafters' architecture, given a card that says so;
 4. each drafter downloaded from its card's folder, served with vLLM's DFlash path (``dflash_spec``, k = block
-   size - 1), and all measured by dflash_eval's steps (prepare, run_server per server, report) on the
+   size - 1; at most ``max_servers`` servers up at once, each round measured into the same eval root), and all
+   measured by dflash_eval's steps (prepare, run_server per server, report) on the
    dataset's held-out prompts, greedy and sampled, thinking on and off, the drafter groups naming their cards
    (``card_uri``): the report carries each drafter's lineage, its acceptance with an interval and the paired
    differences with intervals.
@@ -73,6 +74,7 @@ class LoopSettings:
     concurrency: int = 4
     sensitivity: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
+    max_servers: int = 3  # vLLM DFlash servers up at once (each ~2.7 GB resident on CPU)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sensitivity) - set(DEFECTS))
@@ -303,9 +305,10 @@ def eval_params(dataset_uri: str, output_uri: str, groups: Mapping[str, tuple[st
     return params
 
 
-def evaluate(client: Any, params: dict[str, Any], run_id: str = "loop-eval") -> dict[str, Any]:
-    """dflash_eval's steps: prepare, run_server for every server (at once, as the mapped task), report."""
-    from dflash_pipeline.steps.evaluate import prepare, run_report, run_server
+def measure(client: Any, params: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
+    """dflash_eval's prepare and run_server (every server at once, as the mapped task) for the groups in
+    `params` (the servers must be up); the assignments, for :func:`eval_report`."""
+    from dflash_pipeline.steps.evaluate import prepare, run_server
 
     cfg = EvalConfig.from_params(params)
     assignments = prepare(client, cfg, run_id, lambda url: ServerSpec(name=url, base_url=url))
@@ -324,8 +327,38 @@ def evaluate(client: Any, params: dict[str, Any], run_id: str = "loop-eval") -> 
         t.join()
     if errors:
         raise RuntimeError(f"eval server task(s) failed: {errors!r}")
-    report: dict[str, Any] = run_report(client, cfg, assignments, run_id, plots=False)
-    return report
+    return assignments
+
+
+def eval_report(client: Any, params: dict[str, Any], assignments: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
+    """dflash_eval's report over every group of `params` (their datasets written by :func:`measure`)."""
+    from dflash_pipeline.steps.evaluate import run_report
+
+    out: dict[str, Any] = run_report(client, EvalConfig.from_params(params), assignments, run_id, plots=False)
+    return out
+
+
+def evaluate_in_rounds(client: Any, target: Path, drafters: Mapping[str, Path], cards: Mapping[str, str],
+                       dataset_uri: str, eval_uri: str, work: Path, settings: LoopSettings,
+                       run_id: str = "loop-eval") -> tuple[dict[str, Any], float]:
+    """Every drafter measured by dflash_eval on its own DFlash server, at most `settings.max_servers` servers up
+    at once (memory): each round prepares and runs its groups into the same eval root (each (group, condition)
+    is its own dataset there), then one report over all groups. Returns (report, seconds spent starting)."""
+    names = list(drafters)
+    groups: dict[str, tuple[str, str]] = {}
+    assignments: list[dict[str, Any]] = []
+    starting = 0.0
+    for i in range(0, len(names), settings.max_servers):
+        batch = {n: drafters[n] for n in names[i:i + settings.max_servers]}
+        t = time.monotonic()
+        with serve_drafters(target, batch, work, k=settings.block_size - 1,
+                            timeout_s=settings.start_timeout_s) as servers:
+            starting += time.monotonic() - t
+            mine = {n: (s.base_url, cards[n]) for n, s in servers.items()}
+            groups.update(mine)
+            assignments += measure(client, eval_params(dataset_uri, eval_uri, mine, settings),
+                                   f"{run_id}-{i // settings.max_servers}")
+    return eval_report(client, eval_params(dataset_uri, eval_uri, groups, settings), assignments, run_id), starting
 
 
 def summarize(report: Mapping[str, Any], reference: str = REGENERATED) -> dict[str, Any]:
@@ -409,18 +442,14 @@ def run_loop(client: Any, bucket: str, work: Path, settings: LoopSettings = Loop
     timings["train_s"] = sum(f["step_wall_s"] for f in train_figs.values())
 
     t = time.monotonic()
-    with serve_drafters(target, local, work, k=settings.block_size - 1,
-                        timeout_s=settings.start_timeout_s) as servers:
-        timings["drafter_servers_start_s"] = time.monotonic() - t
-        groups = {n: (s.base_url, cards[n]) for n, s in servers.items()}
-        t = time.monotonic()
-        report = evaluate(client, eval_params(dataset_uri, f"s3://{bucket}/{root}/eval", groups, settings))
-        timings["eval_s"] = time.monotonic() - t
+    report_doc, timings["drafter_servers_start_s"] = evaluate_in_rounds(
+        client, target, local, cards, dataset_uri, f"s3://{bucket}/{root}/eval", work, settings)
+    timings["eval_s"] = time.monotonic() - t - timings["drafter_servers_start_s"]
     timings["total_s"] = time.monotonic() - t0
     tok_figs = {d: {k: r.get(k) for k in ("tokenization", "answers", "rows_out", "rows_dropped", "tokens",
                                           "loss_tokens")} for d, r in tokenizations.items()}
     return LoopResult(dataset_uri, cards, train_figs, tok_figs, {k: round(v, 1) for k, v in timings.items()},
-                      report, summarize(report), asdict(settings))
+                      report_doc, summarize(report_doc), asdict(settings))
 
 
 def report_markdown(client: Any, eval_uri: str) -> str:
