@@ -45,6 +45,7 @@ pytestmark = pytest.mark.slow
 SETTINGS = LoopSettings(prompts=160, steps=100, eval_max_prompts=24)
 
 
+@pytest.mark.timeout(2400)  # ~10 min on an idle 2-core runner; the trainer and vLLM take 2-4x that on a loaded one
 def test_regenerated_data_trains_a_drafter_that_accepts_more(
     s3_client: Any, bucket: str, qwen_tokenizer: Path, trainers_python: Path, tmp_path: Path
 ) -> None:
