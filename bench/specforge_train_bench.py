@@ -5,7 +5,7 @@
 
 Builds the learnable tiny target (dev/engine/topic_qwen.py), writes ``tokenized/specforge`` files for
 `--rows` of its prompts with the tokenize step's own functions (the target's completions sampled from its
-design, thinking on; ``--original`` trains on the prompts' original answers instead), and runs
+design, thinking on, off or both; ``--original`` trains on the prompts' original answers instead), and runs
 steps/train/specforge_entry.py in .venv-trainers (SpecForge's own offline DFlash route on CPU). Prints one
 JSON line: the train log's figures (rows, tokens, wall_s, rows_per_s, first and last loss) and the whole
 run's wall time (capture and export included). With ``--keep DIR`` the run (``DIR/run/drafter``) and the
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--original", action="store_true", help="train on the original answers")
+    parser.add_argument("--thinking", choices=("on", "off", "both"), default="on",
+                        help="rows rendered with thinking on, off, or half each (two parts)")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it")
     args = parser.parse_args()
     from dflash_pipeline.dev.engine import topic_qwen
@@ -45,8 +47,10 @@ def main() -> None:
         work = args.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         target = topic_qwen.build_checkpoint(work / "target")
-        files = topic_qwen.specforge_files(target, work / "dataset", args.rows, seed=args.seed,
-                                           original=args.original)
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
+        files = [f for mode in modes for f in topic_qwen.specforge_files(
+            target, work / "dataset", args.rows // len(modes), seed=args.seed, original=args.original,
+            thinking=mode)]
         cfg = {"target_model": str(target), "train_files": [str(f) for f in files], "output_dir": str(work / "run"),
                "steps": args.steps, "seed": args.seed, "learning_rate": args.learning_rate,
                "batch_size": args.batch_size, "max_length": 512, "block_size": args.block_size,
@@ -61,7 +65,8 @@ def main() -> None:
                           "batch_size": args.batch_size, "block_size": args.block_size,
                           "trainer_wall_s": log["wall_s"], "rows_per_s": log["rows_per_s"],
                           "loss_first": round(log["loss"][0][1], 3), "loss_last": round(log["loss"][-1][1], 3),
-                          "entry_wall_s": round(total, 1), "original": args.original}))
+                          "entry_wall_s": round(total, 1), "original": args.original,
+                          "thinking": args.thinking}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ runner process runs five confs in turn:
 3. the same name with other steps: refused by `check`, nothing written;
 4. an unknown tokenization: refused, naming the dataset's tokenizations;
 5. a dataset without a held-out split: refused;
-6. backend kubernetes with a command naming an unknown placeholder: refused by `check`, no pod started.
+6. backend kubernetes with a command naming an unknown placeholder: refused by `check`, no pod started;
+7. the local backend with a Hugging Face id as target (its trainer takes a directory): refused.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
                                      tmp_path: Path) -> None:
     good = _dataset(s3_client, bucket, "ds/good", qwen_tokenizer, heldout=True)
     bare = _dataset(s3_client, bucket, "ds/bare", qwen_tokenizer, heldout=False)
+    (tmp_path / "tiny-target").mkdir()  # the fixture entry never opens it
     common = {"trainers_python": sys.executable, "trainer_entry": str(FIXTURE_ENTRY), "work_dir": str(tmp_path / "work"),
-              "drafters_root": f"s3://{bucket}/drafters", "steps": 6, "save_every": 2, "target_model": "tiny-target",
-              "tokenization": "default"}  # every conf names every key it sets: dag.test keeps a conf's params for the next
+              "drafters_root": f"s3://{bucket}/drafters", "steps": 6, "save_every": 2, "target_model": str(tmp_path / "tiny-target"),
+              "tokenization": "default", "backend": "local"}  # every conf names every key it sets: dag.test keeps a conf's params for the next
     confs = [
         {**common, "dataset_uri": good.uri, "drafter_name": "d1"},
         {**common, "dataset_uri": good.uri, "drafter_name": "d1"},
@@ -97,6 +99,7 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
         {**common, "dataset_uri": bare.uri, "drafter_name": "d3"},
         {**common, "dataset_uri": good.uri, "drafter_name": "k1", "backend": "kubernetes", "kubernetes_image": "img:1",
          "kubernetes_command": ["bash", "-c", "train {dataset}"]},
+        {**common, "dataset_uri": good.uri, "drafter_name": "h1", "target_model": "Qwen/Qwen3-8B"},
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(moto_server.env())
@@ -109,7 +112,7 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert proc.returncode == 0, proc.stderr[-4000:]
     results, assets = _results(proc.stdout)
     print("runner output:", tmp_path / "runner.out")
-    first, again, other, unknown, no_split, bad_pod = results
+    first, again, other, unknown, no_split, bad_pod, hub_id = results
 
     # 1: killed at step 3, resumed by the retry from step 2; card last, with the lineage
     assert first["state"] == "success", (first, proc.stderr[-4000:])
@@ -146,7 +149,7 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert assets[0]["extra"]["drafters"][0]["steps"] == 6
 
     # 3-5: refused by check before any work
-    for result in (other, unknown, no_split, bad_pod):
+    for result in (other, unknown, no_split, bad_pod, hub_id):
         assert result["state"] == "failed"
         states = _states(result)
         assert states["check"] == ["failed"] and "success" not in states.get("train_local", []), states
@@ -156,8 +159,9 @@ def test_train_resumes_cards_refuses(moto_server: Any, s3_client: Any, bucket: s
     assert "ds/bare has no held-out split" in out
     assert "kubernetes_command: unknown placeholder(s) ['dataset']" in out
     assert _states(bad_pod).get("train_pod") != ["success"] and "running" not in str(bad_pod["tasks"])
+    assert "target_model 'Qwen/Qwen3-8B' is not a local model directory" in out
     listed = {o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="drafters/")["Contents"]}
-    assert not any(k.startswith(("drafters/d2/", "drafters/d3/", "drafters/k1/")) for k in listed)
+    assert not any(k.startswith(("drafters/d2/", "drafters/d3/", "drafters/k1/", "drafters/h1/")) for k in listed)
     assert s3_client.head_object(Bucket=bucket, Key="drafters/d1/card.json")["ETag"] == etag
 
     # the card as dflash_eval's prepare reads it (before any request): the lineage the report shows

@@ -82,9 +82,9 @@ TRAIN_PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": ["null", "string"],
         "default": None,
         "minLength": 1,
-        "description": "The target model the drafter learns to follow: a local model directory, a Hugging Face id, or "
-        "an s3:// prefix holding it (copied to the work dir for the local backend). Null = the model recorded in "
-        "the dataset's manifest (what generated the data).",
+        "description": "The target model the drafter learns to follow: a Hugging Face id (kubernetes backend), a local "
+        "model directory, or an s3:// prefix holding it (the local backend copies it to the work dir; it refuses a "
+        "hub id). Null = the model recorded in the dataset's manifest (what generated the data).",
         "section": SECTION_TRAIN,
     },
     "backend": {

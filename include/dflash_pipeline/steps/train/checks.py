@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.config import ConfigError
@@ -111,6 +112,10 @@ def check_train(client: Any, cfg: TrainConfig, dataset_uri: str, tokenization: s
     target_model = cfg.target_model or manifest.get("model_resolved") or (manifest.get("pinned") or {}).get("model")
     if not target_model:
         raise TrainRefused(f"{layout.uri}: no target_model param and none recorded in the manifest")
+    if cfg.backend == "local" and not target_model.startswith("s3://") and not Path(target_model).is_dir():
+        raise TrainRefused(f"target_model {target_model!r} is not a local model directory: the local backend's "
+                           "trainer takes a directory (or give an s3:// prefix holding the model, copied to the work "
+                           "dir); a Hugging Face id is for the kubernetes backend")
     settings = {
         "format": SETTINGS_FORMAT,
         "trainer": TRAINER,
